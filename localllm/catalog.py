@@ -1,0 +1,166 @@
+"""The model catalog: `name:tag` -> where the GGUF comes from and how to run it.
+
+The shipped `models.toml` (inside the wheel; beside the package in a source checkout) is merged with
+the user's `models.toml` in the config folder, entry by entry. Besides catalog names, `resolve`
+accepts `hf.co/<owner>/<repo>[:QUANT]` and a path to a local `.gguf` file (an import).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm import config
+from localllm.errors import InvalidInput, InvalidModelName, ModelNotFound
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_TAG = "latest"
+HF_PREFIXES = ("hf.co/", "huggingface.co/")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+KNOWN_QUANTS = (
+    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S",
+    "Q4_1", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_XXS",
+    "IQ2_M", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+)
+
+
+def parse_name(text: str) -> tuple[str, str]:
+    """Split and validate `name[:tag]`. Refuses anything that could escape the store's folders."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidModelName("model name is empty", "give a name like gemma3:270m")
+    raw = text.strip()
+    if "\\" in raw or raw.startswith("/") or "\x00" in raw:
+        raise InvalidModelName(f"invalid model name {text!r}: no slashes at the start, no backslashes")
+    name, sep, tag = raw.rpartition(":") if ":" in raw.split("/")[-1] else (raw, "", "")
+    if sep and not tag:
+        raise InvalidModelName(f"invalid model name {text!r}: the tag after ':' is empty",
+                               "write name:tag, e.g. qwen2.5:0.5b, or leave ':' out for :latest")
+    tag = tag or DEFAULT_TAG
+    segments = name.split("/")
+    if not name or any(not _SEGMENT.match(s) or ".." in s for s in segments) or len(segments) > 4:
+        raise InvalidModelName(
+            f"invalid model name {text!r}",
+            "names are letters, digits, '.', '_' and '-' (e.g. qwen2.5-coder:1.5b); no '..', no empty parts",
+        )
+    if not _TAG.match(tag) or ".." in tag:
+        raise InvalidModelName(f"invalid tag {tag!r} in {text!r}", "tags are letters, digits, '.', '_', '-'")
+    return name, tag
+
+
+def normalize(text: str) -> str:
+    name, tag = parse_name(text)
+    if not any(name.startswith(p) for p in HF_PREFIXES):
+        name = name.lower()
+    return f"{name}:{tag}"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one model comes from, resolved from a name the user typed."""
+
+    kind: str  # "hf" | "pypi" | "file"
+    name: str  # store name, "name:tag"
+    quant: str | None = None
+    repo: str | None = None
+    filename: str | None = None  # None for hf.co refs: found by listing the repo
+    pypi: str | None = None
+    module: str | None = None
+    path: Path | None = None
+    entry: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path} is not valid TOML: {exc}", "fix the file or remove it") from exc
+
+
+def shipped_catalog_path() -> Path:
+    here = Path(__file__).resolve().parent
+    inside = here / "models.toml"  # in an installed wheel
+    return inside if inside.is_file() else here.parent / "models.toml"  # in a source checkout
+
+
+class Catalog:
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.defaults: dict[str, Any] = data.get("defaults", {})
+        self.aliases: dict[str, str] = data.get("aliases", {})
+        self.models: dict[str, dict[str, Any]] = data.get("models", {})
+
+    @classmethod
+    def load(cls, extra: Path | None = None) -> "Catalog":
+        data = _read_toml(shipped_catalog_path())
+        user = extra if extra is not None else config.paths().user_catalog
+        if user.is_file():
+            override = _read_toml(user)
+            for table in ("defaults", "aliases"):
+                data.setdefault(table, {}).update(override.get(table, {}))
+            for key, entry in override.get("models", {}).items():
+                data.setdefault("models", {}).setdefault(key, {}).update(entry)
+        return cls(data)
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        """The catalog entry for `name:tag` with defaults filled in, following aliases."""
+        key = self.aliases.get(name, name)
+        entry = self.models.get(key)
+        if entry is None:
+            return None
+        return {**self.defaults, **entry, "key": key}
+
+    def names(self) -> list[str]:
+        return sorted(self.models)
+
+    def suggest(self, name: str, n: int = 3) -> list[str]:
+        pool = self.names() + list(self.aliases)
+        close = difflib.get_close_matches(name, pool, n=n, cutoff=0.4)
+        base = name.split(":")[0]
+        close += [k for k in self.names() if k.split(":")[0] == base and k not in close]
+        return close[: max(n, 3)]
+
+    def resolve(self, text: str, quant: str | None = None) -> Source:
+        """Turn what the user typed into a Source; raises with suggestions when unknown."""
+        raw = text.strip() if isinstance(text, str) else text
+        if isinstance(raw, str) and raw.lower().endswith(".gguf") and not raw.lower().startswith(HF_PREFIXES):
+            path = Path(raw).expanduser()
+            if not path.is_file():
+                raise ModelNotFound(f"no such file: {raw}", "give the path of an existing .gguf file")
+            stem = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower()).strip("-._") or "imported"
+            return Source(kind="file", name=f"{stem}:{DEFAULT_TAG}", path=path.resolve())
+        name, tag = parse_name(raw)
+        lowered = name.lower()
+        for prefix in HF_PREFIXES:
+            if lowered.startswith(prefix):
+                repo = name[len(prefix):]
+                if repo.count("/") != 1:
+                    raise InvalidModelName(f"{text!r} is not hf.co/<owner>/<repo>[:QUANT]")
+                q = (quant or (tag if tag != DEFAULT_TAG else self.defaults.get("default_quant", "Q4_K_M")))
+                q = q.upper()
+                return Source(kind="hf", name=f"hf.co/{repo}:{q}", quant=q, repo=repo)
+        key = f"{lowered}:{tag}"
+        entry = self.entry(key)
+        if entry is None:
+            hints = self.suggest(key)
+            hint = f"did you mean: {', '.join(hints)}?" if hints else "run `localllm list --catalog`"
+            raise ModelNotFound(f"model {key!r} is not in the catalog", hint)
+        q = (quant or entry.get("default_quant", "Q4_K_M")).upper()
+        quants = [s.upper() for s in entry.get("quants", [])]
+        if quants and q not in quants:
+            raise InvalidInput(f"{entry['key']} has no {q} file", f"available: {', '.join(quants)}")
+        store_name = entry["key"] if q == entry.get("default_quant", "Q4_K_M").upper() else f"{entry['key']}-{q.lower()}"
+        if "pypi" in entry:
+            return Source(kind="pypi", name=store_name, quant=q, pypi=entry["pypi"], module=entry.get("module"),
+                          entry=entry)
+        if "repo" not in entry or "file" not in entry:
+            raise InvalidInput(f"catalog entry {entry['key']} has neither `repo`+`file` nor `pypi`")
+        return Source(kind="hf", name=store_name, quant=q, repo=entry["repo"],
+                      filename=entry["file"].format(quant=q), entry=entry)
