@@ -1,0 +1,492 @@
+"""The machine: RAM, GPU devices, and a memory fit plan for one model.
+
+`plan_fit` turns GGUF metadata (weights per layer, KV heads, head sizes, sliding window) and free
+RAM/VRAM into the numbers the engine passes to llama.cpp: n_gpu_layers, n_ctx, KV cache type, flash
+attention and threads. Every choice can be overridden; the plan records which values were chosen and
+which were given, with a one-line reason each, so `localllm show MODEL --fit` can explain itself.
+
+No llama_cpp here (see design.md): GPUs are found with `nvidia-smi` or the platform (Apple Silicon),
+or handed in by the caller, which may enumerate ggml's devices itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Literal
+
+from localllm.errors import InvalidInput
+from localllm.gguf_meta import ModelInfo, read_gguf
+
+MiB = 1024 * 1024
+CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt Python-side buffers
+# Default context when none is asked for. Trained contexts run to 128k+, and a KV cache that size costs
+# GBs and slows attention for chats that rarely pass a few thousand tokens; 8k covers nearly all chat
+# and editor use. A larger `want_ctx` is honoured up to what fits.
+DEFAULT_CTX = 8192
+DEFAULT_UBATCH = 512
+DEFAULT_SLOTS = 4
+# Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
+RAM_HEADROOM = 256 * MiB
+# Left free on a GPU for the driver, CUDA context and fragmentation.
+GPU_HEADROOM = 384 * MiB
+
+# Bytes per element of each KV cache type (ggml block size / block bytes).
+KV_TYPE_SIZES: dict[str, Fraction] = {
+    "f32": Fraction(4), "f16": Fraction(2), "bf16": Fraction(2),
+    "q8_0": Fraction(34, 32), "q5_1": Fraction(24, 32), "q5_0": Fraction(22, 32),
+    "q4_1": Fraction(20, 32), "q4_0": Fraction(18, 32), "iq4_nl": Fraction(18, 32),
+}
+# Architectures with interleaved sliding-window attention, as llama.cpp's `set_swa_pattern(n)`:
+# layer i uses the window unless (i + 1) % n == 0. Unknown architectures count every layer as full
+# attention, which can only overestimate memory.
+SWA_PATTERNS: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gemma3n": 5, "exaone4": 4}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: Literal["cpu", "gpu"]
+    total_bytes: int
+    free_bytes: int
+    unified: bool = False  # GPU memory is system RAM (Apple Silicon): offloaded bytes still use RAM
+
+
+def ram() -> tuple[int, int]:
+    """(total, available) system memory in bytes."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
+
+
+def physical_cores() -> int:
+    import psutil
+
+    # llama.cpp decodes fastest with one thread per physical core; hyperthreads add contention.
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def _nvidia_smi() -> list[Device]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    devices = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.rsplit(",", 2)]
+        if len(parts) != 3:
+            continue
+        try:
+            total, free = int(float(parts[1])) * MiB, int(float(parts[2])) * MiB
+        except ValueError:
+            continue
+        devices.append(Device(parts[0], "gpu", total, free))
+    return devices
+
+
+def _apple_gpu(total: int, available: int) -> list[Device]:
+    if platform.system() != "Darwin" or platform.machine() != "arm64":
+        return []
+    # Metal caps a process's working set near 3/4 of RAM (recommendedMaxWorkingSetSize).
+    cap = total * 3 // 4
+    return [Device("Apple GPU (Metal)", "gpu", cap, min(cap, available), unified=True)]
+
+
+def detect_devices(probe: Callable[[], Iterable[Device]] | None = None) -> list[Device]:
+    """The CPU (system RAM) first, then GPUs.
+
+    `probe` replaces the built-in GPU discovery: the engine or `doctor` can pass ggml's own device list,
+    which also covers Vulkan/HIP backends that nvidia-smi cannot see.
+    """
+    total, available = ram()
+    devices = [Device("CPU", "cpu", total, available)]
+    gpus = list(probe()) if probe is not None else _nvidia_smi() or _apple_gpu(total, available)
+    devices += [d for d in gpus if d.kind == "gpu"]
+    return devices
+
+
+def _type_size(kv_type: str) -> Fraction:
+    try:
+        return KV_TYPE_SIZES[kv_type.lower()]
+    except KeyError:
+        raise InvalidInput(f"unknown KV cache type {kv_type!r}",
+                           f"use one of {', '.join(KV_TYPE_SIZES)}") from None
+
+
+def swa_layers(info: ModelInfo) -> list[bool]:
+    """Per layer: True where the layer uses sliding-window attention."""
+    n = SWA_PATTERNS.get(info.architecture)
+    return [bool(info.sliding_window and n and (i + 1) % n) for i in range(info.layers)]
+
+
+def _layer_cell_bytes(info: ModelInfo, kv_type: str) -> int:
+    """KV bytes one layer needs per cached token: K and V rows for every KV head."""
+    elems = (info.kv_heads or 0) * ((info.head_size_k or 0) + (info.head_size_v or 0))
+    return int(elems * _type_size(kv_type))
+
+
+def layer_kv_bytes(info: ModelInfo, n_ctx: int, kv_type: str = "f16", *, swa_full: bool = True,
+                   slots: int = 1, n_ubatch: int = DEFAULT_UBATCH) -> list[int]:
+    """KV bytes of each layer for a cache of n_ctx cells.
+
+    Sliding-window layers only ever attend to the last `sliding_window` tokens, so llama.cpp sizes their
+    cache min(n_ctx, window × slots + n_ubatch) (unified cache: every slot keeps its own window).
+    With `swa_full=True` they get all n_ctx cells instead: the engine runs that way (llama-cpp-notes:
+    keep swa_full for Gemma so prefix reuse works), so it is the default here too.
+    """
+    per_cell = _layer_cell_bytes(info, kv_type)
+    swa_cells = n_ctx
+    if not swa_full and info.sliding_window:
+        swa_cells = min(n_ctx, _pad(info.sliding_window * max(1, slots) + n_ubatch))
+    return [per_cell * (swa_cells if swa else n_ctx) for swa in swa_layers(info)]
+
+
+def kv_cache_bytes(info: ModelInfo, n_ctx: int, kv_type: str = "f16", *, swa_full: bool = True,
+                   slots: int = 1, n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """Total KV cache bytes for n_ctx cells (all slots share them: the cache is unified)."""
+    return sum(layer_kv_bytes(info, n_ctx, kv_type, swa_full=swa_full, slots=slots, n_ubatch=n_ubatch))
+
+
+def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16", n_ctx: int | None = None, *,
+                       swa_full: bool = True, slots: int = 1, n_ubatch: int = DEFAULT_UBATCH) -> float:
+    """KV bytes per context token: layers × KV heads × (head_size_k + head_size_v) × type size.
+
+    Without n_ctx (or with swa_full) every layer stores every token. With n_ctx and swa_full=False,
+    sliding-window layers stop growing past their window, so this is the average over n_ctx tokens.
+    """
+    if n_ctx is None:
+        return float(_layer_cell_bytes(info, kv_type) * info.layers)
+    return kv_cache_bytes(info, n_ctx, kv_type, swa_full=swa_full, slots=slots, n_ubatch=n_ubatch) / n_ctx
+
+
+def compute_reserve(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH, slots: int = 1) -> int:
+    """Scratch memory llama.cpp reserves for one ubatch: dominated by the logits (n_vocab × n_ubatch f32;
+    measured 514.5 MiB on gemma-3-270m with its 262k vocabulary), plus activations and output rows."""
+    vocab = info.vocab_size or 32000
+    embd = info.embedding_length or 4096
+    logits = vocab * n_ubatch * 4
+    activations = embd * n_ubatch * 4 * 8
+    outputs = vocab * 4 * max(1, slots)
+    return logits + activations + outputs + 16 * MiB
+
+
+def _pad(n: int, step: int = CTX_STEP) -> int:  # round up to a multiple of step
+    return -(-n // step) * step
+
+
+def _split_other(info: ModelInfo) -> tuple[int, int, int]:
+    """(input, output, tied) bytes of the non-layer tensors. The token embedding stays on the CPU; the
+    output head moves to the GPU on full offload, where a tied embedding is duplicated (`tied`)."""
+    try:
+        tensors = read_gguf(info.path).tensors
+    except Exception:  # noqa: BLE001 - synthetic infos and moved files: estimate instead
+        half = info.other_bytes // 2
+        return half, info.other_bytes - half, 0
+    inp = out = embd = 0
+    has_output = False
+    for t in tensors:
+        if t.name.startswith("blk."):
+            continue
+        if t.name.startswith("token_embd"):
+            embd += t.n_bytes
+        elif t.name.startswith("output"):
+            out += t.n_bytes
+            has_output |= t.name == "output.weight"
+        else:
+            inp += t.n_bytes
+    return inp + embd, out, 0 if has_output else embd
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: Any
+    overridden: bool  # True: the user gave it; False: the plan chose it
+    reason: str
+
+
+@dataclass
+class FitPlan:
+    n_gpu_layers: int  # llama.cpp convention: layers + 1 offloads every layer and the output head
+    n_ctx: int  # total KV cells shared by all slots (unified cache); always a multiple of 256
+    kv_type: str
+    flash_attn: bool | None  # None: leave it to llama.cpp's auto setting
+    threads: int
+    slots: int
+    swa_full: bool
+    n_ubatch: int
+    layers: int
+    weights_bytes: int
+    weights_gpu_bytes: int
+    weights_cpu_bytes: int
+    kv_bytes: int
+    kv_gpu_bytes: int
+    compute_bytes: int
+    ram_needed: int
+    ram_available: int
+    gpu_needed: int
+    gpu: Device | None
+    fits: bool
+    choices: dict[str, Choice] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly: every field (Device and Choice as dicts) plus total_bytes."""
+        d = dataclasses.asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs for a two-column table."""
+        out = []
+        for key, c in self.choices.items():
+            out.append((key, f"{_fmt_value(c.value)}  ({'given' if c.overridden else 'chosen'}: {c.reason})"))
+        out += [
+            ("weights", _gib(self.weights_bytes)),
+            ("  on GPU", _gib(self.weights_gpu_bytes) + (f" ({self.gpu.name})" if self.gpu else "")),
+            ("  on CPU", _gib(self.weights_cpu_bytes)),
+            ("KV cache", f"{_gib(self.kv_bytes)} ({self.n_ctx} cells, {self.kv_type})"),
+            ("compute reserve", _gib(self.compute_bytes)),
+            ("total", _gib(self.total_bytes)),
+            ("RAM needed / available", f"{_gib(self.ram_needed)} / {_gib(self.ram_available)}"),
+        ]
+        if self.gpu is not None:
+            out.append(("GPU needed / free", f"{_gib(self.gpu_needed)} / {_gib(self.gpu.free_bytes)}"))
+        out.append(("fits", "yes" if self.fits else "NO"))
+        out += [("warning", w) for w in self.warnings]
+        return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.1f} MiB"
+
+
+def _fmt_value(v: Any) -> str:
+    return "auto" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@dataclass
+class _Eval:
+    ngl: int
+    weights_gpu: int
+    weights_cpu: int
+    kv_gpu: int
+    kv_cpu: int
+    compute_gpu: int
+    compute_cpu: int
+    gpu_needed: int
+    ram_needed: int
+    fits: bool
+
+
+class _Planner:
+    """Memory arithmetic for one model on one machine; `evaluate` is cheap, so searches just call it."""
+
+    def __init__(self, info: ModelInfo, ram_available: int, gpu: Device | None, slots: int, swa_full: bool,
+                 n_ubatch: int, compute: int) -> None:
+        self.info, self.ram_available, self.gpu = info, ram_available, gpu
+        self.slots, self.swa_full, self.n_ubatch, self.compute = slots, swa_full, n_ubatch, compute
+        self.layer_bytes = list(info.layer_bytes) or [0] * info.layers
+        self.n_layers = len(self.layer_bytes)
+        self.input_b, self.output_b, self.tied_b = _split_other(info)
+        self.logits = min(compute, (info.vocab_size or 32000) * n_ubatch * 4)
+        self.gpu_budget = max(0, gpu.free_bytes - GPU_HEADROOM) if gpu else 0
+
+    def evaluate(self, n_ctx: int, kv_type: str, ngl: int | None) -> _Eval:
+        kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots,
+                            n_ubatch=self.n_ubatch)
+        if ngl is None:
+            ngl = self._auto_layers(kv)
+        return self._split(kv, ngl)
+
+    def _split(self, kv: list[int], ngl: int) -> _Eval:
+        n = self.n_layers
+        on_gpu = min(ngl, n) if self.gpu else 0
+        full = self.gpu is not None and ngl > n
+        first = n - on_gpu  # llama.cpp offloads the last n_gpu_layers layers
+        w_gpu = sum(self.layer_bytes[first:]) + (self.output_b + self.tied_b if full else 0)
+        w_cpu = sum(self.layer_bytes[:first]) + self.input_b + (0 if full else self.output_b)
+        kv_gpu, kv_cpu = sum(kv[first:]), sum(kv[:first])
+        # The logits are computed where the output head lives; layers on the GPU need their own scratch.
+        c_gpu = (self.compute if full else self.compute - self.logits) if on_gpu else 0
+        c_cpu = 16 * MiB if full else self.compute
+        gpu_needed = w_gpu + kv_gpu + c_gpu
+        ram_needed = w_cpu + kv_cpu + c_cpu + RAM_HEADROOM
+        if self.gpu is not None and self.gpu.unified:
+            ram_needed += gpu_needed
+        fits = ram_needed <= self.ram_available and gpu_needed <= self.gpu_budget
+        return _Eval(ngl, w_gpu, w_cpu, kv_gpu, kv_cpu, c_gpu, c_cpu, gpu_needed, ram_needed, fits)
+
+    def _auto_layers(self, kv: list[int]) -> int:
+        if self.gpu is None:
+            return 0
+        if self._split(kv, self.n_layers + 1).gpu_needed <= self.gpu_budget:
+            return self.n_layers + 1
+        best = 0
+        for k in range(1, self.n_layers + 1):
+            if self._split(kv, k).gpu_needed > self.gpu_budget:
+                break
+            best = k
+        return best
+
+    def max_ctx(self, lo: int, hi: int, kv_type: str, ngl: int | None) -> int | None:
+        """Largest multiple of 256 in [lo, hi] that fits, or None. Fit shrinks as n_ctx grows."""
+        if not self.evaluate(lo, kv_type, ngl).fits:
+            return None
+        a, b = lo // CTX_STEP, hi // CTX_STEP
+        while a < b:
+            mid = (a + b + 1) // 2
+            if self.evaluate(mid * CTX_STEP, kv_type, ngl).fits:
+                a = mid
+            else:
+                b = mid - 1
+        return a * CTX_STEP
+
+
+def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list[Device] | None = None,
+             slots: int | None = None, want_ctx: int | None = None, gpu_layers: int | None = None,
+             kv_type: str | None = None, threads: int | None = None, reserve_bytes: int | None = None,
+             flash_attn: bool | None = None, swa_full: bool = True,
+             n_ubatch: int = DEFAULT_UBATCH) -> FitPlan:
+    """Choose n_gpu_layers, n_ctx, KV type, flash attention and threads for `info` on this machine.
+
+    Any argument given is an override and is kept as given (the plan warns when it cannot fit);
+    the rest are chosen. `ram_available`/`devices` default to what this machine reports now;
+    `reserve_bytes` replaces the estimated compute scratch. n_ctx is the unified cache for all slots.
+    """
+    slots_given = slots is not None
+    slots = DEFAULT_SLOTS if slots is None else slots
+    if slots < 1:
+        raise InvalidInput(f"slots must be at least 1, not {slots}")
+    if threads is not None and threads < 1:
+        raise InvalidInput(f"threads must be at least 1, not {threads}")
+    if want_ctx is not None and want_ctx < 1:
+        raise InvalidInput(f"context size must be positive, not {want_ctx}")
+    if kv_type is not None:
+        kv_type = kv_type.lower()
+        _type_size(kv_type)
+    if kv_type not in (None, "f16", "f32", "bf16") and flash_attn is False:
+        raise InvalidInput(f"a quantized KV cache ({kv_type}) needs flash attention",
+                           "allow flash attention or use the f16 KV type")
+    if devices is None:
+        devices = detect_devices()
+    if ram_available is None:
+        cpu = next((d for d in devices if d.kind == "cpu"), None)
+        ram_available = cpu.free_bytes if cpu else ram()[1]
+    gpus = [d for d in devices if d.kind == "gpu"]
+    # One GPU: the one with the most free memory. (Splitting across GPUs is llama.cpp's job and
+    # not planned here; the plan stays conservative with one.)
+    gpu = max(gpus, key=lambda d: d.free_bytes) if gpus else None
+    compute = reserve_bytes if reserve_bytes is not None else compute_reserve(info, n_ubatch, slots)
+    pl = _Planner(info, ram_available, gpu, slots, swa_full, n_ubatch, compute)
+    choices: dict[str, Choice] = {}
+    warnings: list[str] = []
+
+    ngl = gpu_layers
+    if ngl is not None:
+        if ngl < 0 or ngl > pl.n_layers + 1:  # -1 / 999: "everything", as llama.cpp reads it
+            ngl = pl.n_layers + 1
+        if gpu is None and ngl > 0:
+            warnings.append(f"--gpu-layers {gpu_layers} given but no GPU was found; layers stay on the CPU")
+
+    trained = info.context_length
+    if want_ctx is not None:
+        target = _pad(want_ctx)
+        if trained and target > trained:
+            warnings.append(f"context {target} is beyond the model's trained {trained}; quality may drop")
+    else:
+        target = max(CTX_STEP, min(trained or DEFAULT_CTX, DEFAULT_CTX) // CTX_STEP * CTX_STEP)
+    kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
+
+    chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
+    for kvt in kv_candidates:
+        if pl.evaluate(target, kvt, ngl).fits:
+            chosen_kv = kvt
+            break
+    if chosen_kv is not None:
+        why_ctx = (f"asked for {want_ctx}" + (f", rounded up to a multiple of {CTX_STEP}" if target != want_ctx
+                                              else "")) if want_ctx else _default_ctx_reason(trained, target)
+        if chosen_kv == "q8_0" and not kv_type:
+            why_kv = f"an f16 cache for {target} tokens does not fit in memory; q8_0 (about half) does"
+    elif want_ctx is not None:
+        chosen_kv = kv_candidates[-1]
+        why_ctx, why_kv = f"asked for {want_ctx}", "the smallest allowed; the context does not fit even so"
+        warnings.append(f"context {target} does not fit in memory even with a {chosen_kv} KV cache")
+    else:
+        best = [(pl.max_ctx(CTX_STEP, target, kvt, ngl), kvt) for kvt in kv_candidates]
+        found = [(c, k) for c, k in best if c is not None]
+        if found:
+            n_ctx, chosen_kv = max(found, key=lambda ck: ck[0])  # ties keep f16 (listed first)
+            why_ctx = f"largest that fits in memory (default would be {target})"
+            if chosen_kv == "q8_0" and not kv_type:
+                why_kv = f"q8_0 fits {n_ctx} tokens where f16 fits {best[0][0] or 0}"
+        else:
+            n_ctx, chosen_kv = CTX_STEP, kv_candidates[0]
+            why_ctx = why_kv = "the model does not fit at any context size"
+    assert chosen_kv is not None
+    ev = pl.evaluate(n_ctx, chosen_kv, ngl)
+    if not ev.fits:
+        if ev.ram_needed > ram_available:
+            warnings.append(f"needs {_gib(ev.ram_needed)} RAM but {_gib(ram_available)} is available:"
+                            " expect swapping or a failed load")
+        if gpu is not None and ev.gpu_needed > pl.gpu_budget:
+            warnings.append(f"needs {_gib(ev.gpu_needed)} on {gpu.name}, which has {_gib(gpu.free_bytes)} free")
+
+    choices["n_gpu_layers"] = Choice(ev.ngl, gpu_layers is not None, _layers_reason(ev.ngl, pl, gpu)
+                                     if gpu_layers is None else f"--gpu-layers {gpu_layers}")
+    choices["n_ctx"] = Choice(n_ctx, want_ctx is not None, why_ctx + f"; shared by {slots} slots")
+    quantized = chosen_kv not in ("f16", "f32", "bf16")
+    choices["kv_type"] = Choice(chosen_kv, kv_type is not None,
+                                f"--kv-type {kv_type}" if kv_type else why_kv or "full precision; the context fits")
+    if flash_attn is not None:
+        fa, fa_reason = flash_attn, "given"
+    elif quantized:
+        fa, fa_reason = True, f"a {chosen_kv} V cache needs flash attention"
+    else:
+        fa, fa_reason = None, "left to llama.cpp (auto)"
+    choices["flash_attn"] = Choice(fa, flash_attn is not None, fa_reason)
+    n_threads = threads or physical_cores()
+    choices["threads"] = Choice(n_threads, threads is not None,
+                                f"--threads {threads}" if threads else "one per physical core")
+    choices["slots"] = Choice(slots, slots_given, "--slots" if slots_given else "default parallel sequences")
+
+    return FitPlan(
+        n_gpu_layers=ev.ngl, n_ctx=n_ctx, kv_type=chosen_kv, flash_attn=fa, threads=n_threads, slots=slots,
+        swa_full=swa_full, n_ubatch=n_ubatch, layers=pl.n_layers,
+        weights_bytes=ev.weights_gpu + ev.weights_cpu, weights_gpu_bytes=ev.weights_gpu,
+        weights_cpu_bytes=ev.weights_cpu, kv_bytes=ev.kv_gpu + ev.kv_cpu, kv_gpu_bytes=ev.kv_gpu,
+        compute_bytes=ev.compute_gpu + ev.compute_cpu, ram_needed=ev.ram_needed, ram_available=ram_available,
+        gpu_needed=ev.gpu_needed, gpu=gpu, fits=ev.fits, choices=choices, warnings=warnings,
+    )
+
+
+def _default_ctx_reason(trained: int | None, target: int) -> str:
+    if trained and trained <= DEFAULT_CTX:
+        return f"the model's trained context ({trained})"
+    return f"default {target} (trained {trained or 'unknown'}; pass --ctx for more)"
+
+
+def _layers_reason(ngl: int, pl: _Planner, gpu: Device | None) -> str:
+    if gpu is None:
+        return "no GPU found"
+    if ngl > pl.n_layers:
+        return f"every layer and the output head fit on {gpu.name}"
+    if ngl == 0:
+        return f"not even one layer fits in {_gib(gpu.free_bytes)} free on {gpu.name}"
+    return f"{ngl} of {pl.n_layers} layers fit in {_gib(gpu.free_bytes)} free on {gpu.name}"
