@@ -98,7 +98,7 @@ class Catalog:
         self.models: dict[str, dict[str, Any]] = data.get("models", {})
 
     @classmethod
-    def load(cls, extra: Path | None = None) -> "Catalog":
+    def load(cls, extra: Path | None = None) -> Catalog:
         data = _read_toml(shipped_catalog_path())
         user = extra if extra is not None else config.paths().user_catalog
         if user.is_file():

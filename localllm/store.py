@@ -31,7 +31,7 @@ from localllm.errors import IntegrityError, ModelNotFound, StoreError
 HASH_CHUNK = 4 * 1024 * 1024
 
 
-def sha256_file(path: Path, h: "hashlib._Hash | None" = None) -> str:
+def sha256_file(path: Path, h: hashlib._Hash | None = None) -> str:
     h = h or hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
@@ -88,7 +88,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         raw = json.loads(data)
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**known)
@@ -185,14 +185,16 @@ class Store:
         atomic_write_bytes(path, manifest.to_json())
         return path
 
-    def commit_blob(self, src: Path, digest: str | None = None, *, move: bool = True) -> tuple[str, int]:
+    def commit_blob(self, src: Path, digest: str | None = None, *, move: bool = True,
+                    verified: bool = False) -> tuple[str, int]:
         """Put a finished file into the store under its sha256 and return (digest, size).
 
         With `digest`, the file must hash to it (else IntegrityError and the store is untouched).
         The file is moved when `move` and on the same filesystem, else copied; either way the blob
-        appears under its final name only when complete.
+        appears under its final name only when complete. `verified` skips re-hashing a file whose
+        sha256 the caller computed while writing it (multi-GB downloads).
         """
-        actual = sha256_file(src)
+        actual = _hex(digest) if verified and digest else sha256_file(src)
         if digest is not None and _hex(digest) != actual:
             raise IntegrityError(
                 f"sha256 mismatch for {src.name}: expected {_hex(digest)}, got {actual}",

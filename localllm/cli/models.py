@@ -15,14 +15,20 @@ class RichPullProgress:
     """Renders pull progress as a rich bar: bytes, speed, ETA."""
 
     def __init__(self) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console(stderr=True))
         self.tasks: dict[str, Any] = {}
 
-    def __enter__(self) -> "RichPullProgress":
+    def __enter__(self) -> RichPullProgress:
         self.progress.start()
         return self
 
@@ -172,7 +178,7 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
 def _fit_plan(info: Any, **overrides: Any) -> dict[str, Any]:
     from localllm import hardware
 
-    total, avail = hardware.ram()
+    _total, avail = hardware.ram()
     plan = hardware.plan_fit(info, ram_available=avail, devices=hardware.detect_devices(),
                              want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
                              kv_type=overrides["kv_type"], **({"slots": overrides["slots"]} if overrides["slots"] else {}))

