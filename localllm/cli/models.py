@@ -151,8 +151,9 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
     data: dict[str, Any] = {"name": man.name if man else str(path), **info.as_dict()}
     if man:
         data.update(digest=man.digest, source=man.source, lineage=man.lineage)
-    if fit:
-        data["fit"] = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots)
+    plan = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots) if fit else None
+    if plan is not None:
+        data["fit"] = plan.as_dict()
     if as_json:
         print_json(data)
         return
@@ -171,18 +172,18 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
         if man.lineage:
             rows.append(("lineage", json.dumps(man.lineage)))
     table(["", data["name"]], [[k, "" if v is None else str(v)] for k, v in rows])
-    if fit:
-        table(["fit", "value"], [[k, str(v)] for k, v in data["fit"].items()])
+    if plan is not None:
+        table(["fit plan", ""], [list(row) for row in plan.rows()])
 
 
-def _fit_plan(info: Any, **overrides: Any) -> dict[str, Any]:
+def _fit_plan(info: Any, **overrides: Any) -> Any:
     from localllm import hardware
 
     _total, avail = hardware.ram()
     plan = hardware.plan_fit(info, ram_available=avail, devices=hardware.detect_devices(),
                              want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
                              kv_type=overrides["kv_type"], **({"slots": overrides["slots"]} if overrides["slots"] else {}))
-    return plan.as_dict()
+    return plan
 
 
 def _model_file(model: str) -> tuple[Any, Any]:

@@ -1,0 +1,252 @@
+"""`localllm run MODEL [PROMPT]` and `localllm bench MODEL`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from localllm.errors import InvalidInput
+
+
+def resolve_model(model: str) -> tuple[Path, str | None]:
+    """A store name or a .gguf path → (file, catalog template name or None)."""
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf" or p.is_file():
+        if not p.is_file():
+            raise InvalidInput(f"no such file: {p}")
+        return p, None
+    from localllm.errors import ModelNotFound
+    from localllm.store import Store
+
+    try:
+        path = Store().model_path(model)
+    except ModelNotFound:
+        path = _auto_pull(model)
+    template = None
+    try:
+        from localllm.catalog import Catalog
+
+        entry = Catalog.load().entry(model) or {}
+        template = entry.get("template")
+    except Exception:  # noqa: BLE001 - the catalog is advisory here: a missing entry means "no fallback template"
+        template = None
+    return Path(path), template
+
+
+def _auto_pull(model: str) -> Path:
+    """Like `ollama run`: a catalog model that is not installed yet is pulled first."""
+    from localllm.catalog import Catalog
+    from localllm.store import Store
+
+    source = Catalog.load().resolve(model)  # unknown names raise here, with suggestions
+    from localllm import pull as pull_mod
+
+    click.echo(f"{model} is not installed; pulling it first...", err=True)
+    result = pull_mod.pull(source)
+    return Path(Store().model_path(result.manifest.name))
+
+
+class Chat:
+    """Chat prompt rendering: the GGUF template, else the catalog's built-in, else the raw text."""
+
+    def __init__(self, path: Path, template_name: str | None) -> None:
+        self.template: str | None = None
+        self.stops: list[str] = []
+        try:
+            from localllm.gguf_meta import model_info
+            from localllm.runtime import templates
+
+            tpl = model_info(path).chat_template
+            if tpl:
+                self.template = tpl
+            elif template_name:
+                self.template = templates.builtin_template(template_name)
+                self.stops = list(templates.BUILTIN_STOPS.get(template_name, ()))
+        except (ImportError, AttributeError):
+            self.template = None
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[str, str]:
+        """(prompt, system prefix) for the messages; raw text when there is no template."""
+        if self.template is None:
+            text = "\n\n".join(m["content"] for m in messages)
+            return text, ""
+        from localllm.runtime.templates import render_chat_parts
+
+        parts = render_chat_parts(self.template, messages, add_generation_prompt=True)
+        return parts.text, parts.system_prefix
+
+
+def _engine_kwargs(path: Path, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
+                   kv_type: str | None) -> dict[str, Any]:
+    """Fit plan (hardware.plan_fit) with the user's overrides; plain defaults if it is unavailable."""
+    try:
+        from localllm.gguf_meta import model_info
+        from localllm.hardware import plan_fit
+
+        plan = plan_fit(model_info(path), slots=slots, want_ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type,
+                        threads=threads)
+        return {"n_ctx": plan.n_ctx, "slots": plan.slots, "threads": plan.threads,
+                "n_gpu_layers": plan.n_gpu_layers, "kv_type": plan.kv_type, "flash_attn": plan.flash_attn}
+    except ImportError:
+        return {"n_ctx": ctx or 4096, "slots": slots, "threads": threads or os.cpu_count() or 2,
+                "n_gpu_layers": gpu_layers or 0, "kv_type": kv_type or "f16"}
+
+
+def _n_keep(engine: Any, text: str, system: str) -> int:
+    """Tokens of the system prefix as they appear in the whole prompt (its last token may merge)."""
+    if not system:
+        return 0
+    from localllm.runtime.prefix_cache import common_prefix
+
+    return common_prefix(engine.tokenize(system), engine.tokenize(text))
+
+
+def _stream(engine: Any, req: Any, verbose: bool) -> str:
+    from localllm.runtime.engine import Stream
+
+    stream: Stream = engine.submit(req)
+    out = []
+    try:
+        for chunk in stream:
+            if chunk.notice:
+                click.secho(f"\n[{chunk.notice.message}]", fg="yellow", err=True)
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                out.append(chunk.text)
+            if chunk.error is not None:
+                raise chunk.error
+            if chunk.finish_reason and verbose and chunk.timings:
+                t = chunk.timings
+                click.echo(f"\n\nTTFT {t.ttft_ms:.0f} ms | prompt {t.prompt_tokens} tok "
+                           f"({t.cached_tokens} cached), {t.prompt_per_s:.1f} tok/s | decode {t.n_decoded} tok, "
+                           f"{t.decode_per_s:.1f} tok/s | finish: {chunk.finish_reason}", err=True)
+    except KeyboardInterrupt:
+        stream.cancel()
+        click.echo("", err=True)
+    return "".join(out)
+
+
+@click.command()
+@click.argument("model")
+@click.argument("prompt", required=False)
+@click.option("--ctx", type=int, help="Context size in tokens (default: the fit plan's).")
+@click.option("--slots", type=int, default=1, show_default=True, help="Parallel sequences.")
+@click.option("--threads", type=int, help="CPU threads (default: the fit plan's).")
+@click.option("--gpu-layers", type=int, help="Layers to offload to the GPU (default: the fit plan's).")
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32", "bf16"]), help="KV cache type.")
+@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--seed", type=int)
+@click.option("--max-tokens", type=int, default=512, show_default=True)
+@click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
+@click.option("--verbose", "-v", is_flag=True, help="Print TTFT, prompt and decode speed, cached tokens.")
+def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
+        kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
+        verbose: bool) -> None:
+    """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
+
+    \b
+    Examples:
+      localllm run gemma3:270m "Once upon a time"
+      echo "Summarize: ..." | localllm run gemma3:270m
+      localllm run ./model.gguf          (interactive chat)
+    """
+    from localllm.runtime.engine import Engine
+    from localllm.runtime.types import GenerationParams, Request
+
+    path, template_name = resolve_model(model)
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    kwargs = _engine_kwargs(path, ctx, slots, threads, gpu_layers, kv_type)
+    params = GenerationParams(temperature=temperature, seed=seed)
+    chat = Chat(path, None if raw else template_name)
+    if raw:
+        chat.template = None
+    with Engine(path, **kwargs) as engine:
+        if prompt is not None:
+            text, system = chat.render([{"role": "user", "content": prompt}])
+            n_keep = _n_keep(engine, text, system)
+            _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops, context_policy="shift",
+                                    n_keep=n_keep), verbose)
+            sys.stdout.write("\n")
+            return
+        click.echo(f"{path.name} — type a message; /bye or Ctrl-D to quit, /clear to forget the chat.", err=True)
+        messages: list[dict[str, Any]] = []
+        while True:
+            try:
+                line = input(">>> ")
+            except (EOFError, KeyboardInterrupt):
+                click.echo("", err=True)
+                return
+            if line.strip() in ("/bye", "/exit", "/quit"):
+                return
+            if line.strip() == "/clear":
+                messages = []
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            text, system = chat.render(messages)
+            n_keep = _n_keep(engine, text, system)
+            answer = _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops,
+                                             context_policy="shift", n_keep=n_keep), verbose)
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": answer.strip()})
+
+
+@click.command()
+@click.argument("model")
+@click.option("--ctx", type=int, default=4096, show_default=True)
+@click.option("--threads", type=int, help="CPU threads (default: all cores).")
+@click.option("--gen", type=int, default=128, show_default=True, help="Tokens generated per stream.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool) -> None:
+    """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL."""
+    import json
+
+    from localllm.bench import compare
+
+    path, _ = resolve_model(model)
+    if not as_json:
+        click.echo(f"benchmarking {path.name} (each side in its own process; takes about a minute)...", err=True)
+    res = compare(path, n_ctx=ctx, threads=threads, gen=gen)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+        return
+    print_table(res)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    e, b = res["localllm"], res["llama_cpp_Llama"]
+    t = Table(title=f"localllm vs llama_cpp.Llama — {Path(res['model']).name}, "
+                    f"{res['settings']['threads']} threads, ctx {res['settings']['n_ctx']}")
+    t.add_column("metric")
+    t.add_column("localllm", justify="right")
+    t.add_column("Llama class", justify="right")
+    t.add_column("ratio", justify="right")
+
+    def row(label: str, key: str, fmt: str) -> None:
+        ratio = e[key] / b[key] if b[key] else float("nan")
+        t.add_row(label, format(e[key], fmt), format(b[key], fmt), f"{ratio:.2f}×")
+
+    row("single-stream decode tok/s (best of 3, interleaved)", "single_decode_tps", ".1f")
+    for k in res["settings"]["streams"]:
+        row(f"aggregate tok/s, {k} streams (best of 2)", f"aggregate_tps_{k}", ".1f")
+    row(f"TTFT cold, {e['prefix_tokens']}-token prompt (s)", "ttft_cold_s", ".3f")
+    row("TTFT warm, same prefix, new question (s)", "ttft_warm_s", ".3f")
+    row("load time (s)", "load_s", ".2f")
+    row("RSS after load (MB)", "rss_after_load_mb", ".0f")
+    row("peak RSS (MB)", "peak_rss_mb", ".0f")
+    Console().print(t)
+    r = res["ratios"]
+    Console().print(
+        f"single decode vs Llama: {r['single_decode_vs_Llama']:.2f}× (target ≥ 1.15) | "
+        f"8-stream aggregate / single: {r.get('aggregate8_over_single', float('nan')):.2f}× (target ≥ 1.8) | "
+        f"warm/cold TTFT: {100 * r['warm_over_cold_ttft']:.1f}% (target ≤ 15%)")

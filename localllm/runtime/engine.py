@@ -1,0 +1,492 @@
+"""The engine: one model, one llama context with N sequence slots, one scheduler thread.
+
+`submit(request) -> Stream`. Validation, tokenization, context-policy planning and sampler
+construction happen in the caller's thread, so bad requests raise at once (InvalidInput,
+ContextOverflow). The scheduler thread owns the context; each step it admits waiting requests
+into free slots (longest shared prefix first), builds one batch — the next token of every
+generating slot plus chunked prefill within n_batch — decodes once, samples each slot from its
+own batch row and emits chunks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import ContextOverflow, EngineError, InvalidInput, LocalLLMError
+from localllm.runtime import context_shift
+from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
+from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
+from localllm.runtime.sampling import build_chain, grammar_for, validate
+from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
+from localllm.runtime.stream import Stream
+from localllm.runtime.types import Chunk, Notice, Request, Result
+
+__all__ = ["Engine", "Stream"]
+
+_REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
+
+
+class Engine:
+    """Serve one GGUF model to many concurrent requests.
+
+    n_ctx is the unified KV cache shared by all slots (a multiple of 256; one request may use all
+    of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
+    (0 disables it); histories shorter than min_park_tokens are not parked.
+    """
+
+    def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
+                 n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
+                 kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
+                 swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64) -> None:
+        if slots < 1:
+            raise InvalidInput(f"slots must be >= 1, got {slots}")
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap)
+        n_batch = max(n_batch, slots)
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
+                           n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
+                           swa_full=swa_full)
+        self.n_ctx = self.ctx.n_ctx_seq  # the most one sequence may hold
+        self.n_batch = n_batch
+        self.slots = [Slot(i) for i in range(slots)]
+        self._batch = Batch(n_batch, 1)
+        self._parked = StateLRU(state_cache_bytes)
+        self._min_park = min_park_tokens
+        # jobs, control calls run on the scheduler thread, or None (a wake-up)
+        self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
+        self._waiting: deque[Job] = deque()
+        self._stop = False
+        self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
+                          "parked": 0, "restored": 0, "copied_prefix": 0}
+        self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
+        self._thread.start()
+        # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
+        # can crash the process); a weak reference, so an unclosed engine can still be collected
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.close())
+
+    # ---- public API ------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.model.detokenize(tokens)
+
+    def submit(self, request: Request) -> Stream:
+        """Queue a request. Raises InvalidInput / ContextOverflow before anything runs."""
+        if self._stop:
+            raise EngineError("the engine is closed")
+        validate(request)
+        prompt = (self.tokenize(request.prompt, add_special=request.add_special,
+                                parse_special=request.parse_special)
+                  if isinstance(request.prompt, str) else [int(t) for t in request.prompt])
+        if not prompt:
+            raise InvalidInput("prompt is empty after tokenization")
+        bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        prompt, notices = self._fit(request, prompt)
+        n_keep = request.n_keep
+        if n_keep == 0 and prompt[0] == self.model.bos:
+            n_keep = 1  # never shift the BOS token away
+        n_keep = context_shift.effective_keep(n_keep, len(prompt), self.n_ctx)
+        chain = build_chain(self.model, request.params, grammar_for(request))
+        state = StreamState()
+        job = Job(request, prompt, state, chain, n_keep, notices=notices,
+                  stop=StopMatcher(request.stop) if request.stop else None)
+        job.timings.prompt_tokens = len(prompt)
+        self._inbox.put(job)
+        return Stream(state, request.id, self._wake)
+
+    def generate(self, request: Request) -> Result:
+        return self.submit(request).result()
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for tests and /metrics (read without a lock: approximate while busy)."""
+        return {
+            "slots": [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
+                      for s in self.slots],
+            "waiting": len(self._waiting) + self._inbox.qsize(),
+            "parked": len(self._parked), "parked_bytes": self._parked.used,
+            "n_ctx": self.n_ctx, "n_batch": self.n_batch, **self._counters,
+        }
+
+    def reset_cache(self, timeout: float = 30.0) -> None:
+        """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
+        done = threading.Event()
+
+        def clear() -> None:
+            for s in self.slots:
+                if s.job is None:
+                    self.ctx.seq_rm(s.id)
+                    s.tokens = []
+            self._parked.clear()
+            done.set()
+
+        self._inbox.put(clear)
+        if not done.wait(timeout):
+            raise EngineError("the engine did not answer in time")
+
+    def idle(self) -> bool:
+        return all(s.job is None for s in self.slots) and not self._waiting and self._inbox.empty()
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        self._batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    def __enter__(self) -> Engine:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- submit-side planning --------------------------------------------------------------------
+    def _fit(self, req: Request, prompt: list[int]) -> tuple[list[int], list[Notice]]:
+        """Apply the context policy to a prompt that does not fit; says what it dropped."""
+        n_ctx = self.n_ctx
+        if req.context_policy == "truncate_history" and req.truncate is not None:
+            reserve = min(req.max_tokens or n_ctx // 4, n_ctx // 4)
+            if len(prompt) > n_ctx - reserve:
+                new = req.truncate(n_ctx - reserve)
+                if new is not None:
+                    new_t = (self.tokenize(new, add_special=req.add_special, parse_special=req.parse_special)
+                             if isinstance(new, str) else list(new))
+                    if new_t and len(new_t) < len(prompt):
+                        d = len(prompt) - len(new_t)
+                        msg = f"dropped the oldest turns ({d} tokens) to fit the {n_ctx}-token context"
+                        return self._fit_hard(req, new_t, [Notice("history_truncated", d, msg)])
+        return self._fit_hard(req, prompt, [])
+
+    def _fit_hard(self, req: Request, prompt: list[int], notices: list[Notice]) -> tuple[list[int], list[Notice]]:
+        n_ctx = self.n_ctx
+        if len(prompt) < n_ctx:
+            return prompt, notices
+        if req.context_policy == "error" or (req.context_policy == "truncate_history" and req.truncate):
+            raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}",
+                                  len(prompt), n_ctx, "shorten the prompt, raise --ctx, or use the 'shift' policy")
+        keep = context_shift.effective_keep(req.n_keep if req.n_keep else 1, len(prompt), n_ctx)
+        fit = context_shift.fit_prompt(prompt, n_ctx, keep, reserve=n_ctx // 4)
+        msg = f"prompt of {len(prompt)} tokens did not fit the {n_ctx}-token context: dropped {fit.n_dropped} " \
+              f"tokens after the first {keep}"
+        return fit.tokens, notices + [Notice("prompt_truncated", fit.n_dropped, msg)]
+
+    def _wake(self) -> None:
+        self._inbox.put(None)
+
+    # ---- scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            busy = bool(self._waiting) or any(s.job for s in self.slots)
+            try:
+                item = self._inbox.get() if not busy else self._inbox.get_nowait()
+                while True:
+                    if isinstance(item, Job):
+                        self._waiting.append(item)
+                    elif item is not None:
+                        with contextlib.suppress(Exception):  # its caller times out; the scheduler lives on
+                            item()  # a control call (reset_cache)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if self._stop:
+                break
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug or a failed decode: fail the active jobs, keep serving
+                for s in self.slots:
+                    if s.job is not None:
+                        self._fail(s, exc)
+            self._kv_pos = [self.ctx.seq_pos_max(s.id) for s in self.slots]
+        for s in self.slots:
+            if s.job is not None:
+                self._finish(s, "cancelled")
+        try:  # jobs submitted while closing
+            while True:
+                item = self._inbox.get_nowait()
+                if isinstance(item, Job):
+                    self._waiting.append(item)
+        except queue.Empty:
+            pass
+        while self._waiting:
+            self._end_waiting(self._waiting.popleft(), "cancelled", EngineError("the engine was closed"))
+
+    def _step(self) -> None:
+        now = time.perf_counter()
+        for s in self.slots:
+            if s.job is not None and s.job.stream.cancelled.is_set():
+                self._finish(s, "cancelled")
+        if self._waiting:
+            still = deque()
+            for job in self._waiting:
+                if job.stream.cancelled.is_set():
+                    self._end_waiting(job, "cancelled")
+                else:
+                    still.append(job)
+            self._waiting = still
+        while self._waiting and any(s.job is None for s in self.slots):
+            job = self._waiting.popleft()
+            try:
+                self._admit(job, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._end_waiting(job, "error", exc)
+        for s in self.slots:
+            if s.job is not None and s.job.next_tokens:
+                try:
+                    self._make_room(s)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                    self._fail(s, exc)
+        self._decode_step()
+
+    def _end_waiting(self, job: Job, reason: str, exc: Exception | None = None) -> None:
+        job.chain.close()
+        t = job.timings
+        t.queue_ms = (time.perf_counter() - job.t_submit) * 1000
+        job.stream.put(Chunk(finish_reason=reason, usage=job.usage(), timings=t, error=exc))  # type: ignore[arg-type]
+
+    def _admit(self, job: Job, now: float) -> None:
+        """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any."""
+        prompt = job.prompt
+        free = [s for s in self.slots if s.job is None]
+        dst = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+        n = common_prefix(dst.tokens, prompt)
+        src_id, n_src = best_prefix({s.id: s.tokens for s in self.slots if s.job is not None}, prompt)
+        key, n_park = self._parked.best(prompt)
+        if max(n_src, n_park) >= n + _REUSE_MIN:
+            self._park(dst, keep=0)
+            self.ctx.seq_rm(dst.id)
+            dst.tokens = []
+            if n_src >= n_park and src_id is not None:
+                self.ctx.seq_cp(src_id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
+                dst.tokens = self.slots[src_id].tokens[:n_src]
+                self._counters["copied_prefix"] += 1
+            else:
+                try:
+                    self.ctx.state_seq_set(dst.id, self._parked.take(key))  # type: ignore[arg-type]
+                    dst.tokens = list(key)  # type: ignore[arg-type]
+                    self._counters["restored"] += 1
+                except EngineError:  # no room in the KV cache for it: prefill instead
+                    self.ctx.seq_rm(dst.id)
+            n = common_prefix(dst.tokens, prompt)
+        else:
+            self._park(dst, keep=n)
+        if n >= len(prompt):
+            n = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
+        if n < len(dst.tokens):
+            if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
+                self.ctx.seq_rm(dst.id)
+                n = 0
+            dst.tokens = dst.tokens[:n]
+        job.cached = n
+        job.pending = prompt[n:]
+        job.t_admit = now
+        job.timings.queue_ms = (now - job.t_submit) * 1000
+        job.timings.cached_tokens = n
+        dst.job = job
+        for notice in job.notices:
+            job.stream.put(Chunk(notice=notice))
+
+    def _park(self, slot: Slot, keep: int) -> None:
+        """Save the part of an idle slot's history that is about to be overwritten, if worth it."""
+        if self._parked.budget <= 0 or len(slot.tokens) - keep < self._min_park:
+            return
+        try:
+            blob = self.ctx.state_seq_get(slot.id)
+        except LocalLLMError:
+            return
+        if self._parked.put(slot.tokens, blob):
+            self._counters["parked"] += 1
+
+    def _make_room(self, s: Slot) -> None:
+        """Before a generating slot outgrows the context: stop (error policy) or shift."""
+        job = s.job
+        assert job is not None
+        if len(s.tokens) + len(job.next_tokens) <= self.n_ctx:
+            return
+        policy = job.request.context_policy
+        if policy == "error" or not self.ctx.can_shift:
+            why = ("the context is full" if policy == "error"
+                   else "the context is full and this model's KV cache cannot be shifted")
+            job.stream.put(Chunk(notice=Notice("context_full", 0, f"{why} ({self.n_ctx} tokens)")))
+            self._finish(s, "length")
+            return
+        self._shift(s, f"context full ({self.n_ctx} tokens)")
+
+    def _shift(self, s: Slot, why: str) -> None:
+        """Drop the oldest half of a slot's history after its first n_keep tokens (seq_rm + seq_add)."""
+        job = s.job
+        assert job is not None
+        k = job.n_keep
+        d = context_shift.plan_shift(len(s.tokens), k)
+        # Cells shared with another sequence (a prefix copied by seq_cp) hold one position for all of
+        # them: seq_add would move them for the other sequence too. Idle sharers give up their tail;
+        # for active ones the shift discards at least the whole shared part beyond n_keep.
+        for t in self.slots:
+            if t is s:
+                continue
+            shared = common_prefix(s.tokens, t.tokens)
+            if shared <= k:
+                continue
+            if t.job is None:
+                if self.ctx.seq_rm(t.id, k, -1):
+                    t.tokens = t.tokens[:k]
+                else:
+                    self.ctx.seq_rm(t.id)
+                    t.tokens = []
+            else:
+                d = max(d, shared - k)
+        d = min(d, len(s.tokens) - k)
+        if not self.ctx.seq_rm(s.id, k, k + d):
+            raise EngineError("the KV cache refused to drop tokens for a context shift")
+        self.ctx.seq_add(s.id, k + d, -1, -d)
+        s.tokens = s.tokens[:k] + s.tokens[k + d:]
+        self._counters["shifts"] += 1
+        job.stream.put(Chunk(notice=Notice("context_shift", d, f"{why}: dropped {d} tokens after the first {k}")))
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        batch.clear()
+        rows: list[tuple[Slot, int]] = []
+        undo: list[tuple[Slot, int, list[int], list[int]]] = []  # slot, n_tokens before, next, pending
+        # one (or, with drafts, k) token for every generating slot: each row gets logits
+        for s in self.slots:
+            job = s.job
+            if job is None or not job.next_tokens:
+                continue
+            undo.append((s, len(s.tokens), job.next_tokens, job.pending))
+            for tok in job.next_tokens:
+                row = batch.add(tok, len(s.tokens), s.id, True)
+                s.tokens.append(tok)
+            rows.append((s, row))  # speculative verification would sample every drafted row here
+            job.next_tokens = []
+        # chunked prefill of pending prompts within what is left of n_batch
+        for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
+            job = s.job
+            if batch.free <= 0:
+                break
+            take = job.pending[: batch.free]
+            undo.append((s, len(s.tokens), [], job.pending))
+            last = len(take) == len(job.pending)
+            for i, tok in enumerate(take):
+                row = batch.add(tok, len(s.tokens), s.id, last and i == len(take) - 1)
+                s.tokens.append(tok)
+            job.pending = job.pending[len(take):]
+            self._counters["prefill_tokens"] += len(take)
+            if last:
+                rows.append((s, row))
+        if batch.n_tokens == 0:
+            return
+        try:
+            self.ctx.decode(batch)
+        except NoKVSlot:
+            self._counters["kv_full"] += 1
+            for s, n0, nxt, pend in undo:  # roll back: the batch never happened
+                self.ctx.seq_rm(s.id, n0, -1)
+                s.tokens = s.tokens[:n0]
+                s.job.next_tokens, s.job.pending = nxt, pend
+            self._free_kv()
+            return
+        self._counters["steps"] += 1
+        for s, row in rows:
+            try:
+                self._on_token(s, s.job.chain.sample(self.ctx, row))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(s, exc)
+
+    def _free_kv(self) -> None:
+        """KV cache full: drop idle histories first, else shift or stop the biggest request."""
+        idle = [s for s in self.slots if s.job is None and s.tokens]
+        if idle:
+            for s in idle:
+                self._park(s, keep=0)
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+            return
+        active = [s for s in self.slots if s.job]
+        used = sum(len(s.tokens) for s in active)
+        why = f"KV cache full ({len(active)} requests share {self.ctx.n_ctx} cells)"
+        generating = [s for s in active if not s.job.pending]
+        shiftable = [s for s in generating if s.job.request.context_policy != "error" and self.ctx.can_shift
+                     and len(s.tokens) > s.job.n_keep + 1]
+        if shiftable:  # the biggest request that allows it makes room by a context shift
+            self._shift(max(shiftable, key=lambda s: len(s.tokens)), why)
+        elif generating:  # stop the biggest generating request, as if its own context were full
+            victim = max(generating, key=lambda s: len(s.tokens))
+            victim.job.stream.put(Chunk(notice=Notice("context_full", 0, why)))
+            self._finish(victim, "length")
+        else:
+            self._fail(max(active, key=lambda s: len(s.tokens)), EngineError(
+                f"KV cache full: {len(active)} prompts need more than {self.ctx.n_ctx} cells together ({used} "
+                "filled so far)", "raise --ctx or lower --slots"))
+
+    def _on_token(self, s: Slot, tok: int) -> None:
+        job = s.job
+        assert job is not None
+        now = time.perf_counter()
+        if not job.t_first:
+            job.t_first = now
+            job.timings.prompt_ms = (now - job.t_admit) * 1000
+        req = job.request
+        if self.model.is_eog(tok) and not req.ignore_eos:
+            self._finish(s, "stop")
+            return
+        job.out_tokens.append(tok)
+        self._counters["decoded_tokens"] += 1
+        text = job.decoder.decode(self.model.token_to_piece(tok))
+        hit = False
+        if job.stop is not None:
+            text, hit = job.stop.feed(text)
+        if hit:
+            self._finish(s, "stop", text=text, tokens=[tok])
+        elif req.max_tokens is not None and len(job.out_tokens) >= req.max_tokens:
+            self._finish(s, "length", text=text, tokens=[tok])
+        else:
+            job.next_tokens = [tok]
+            job.stream.put(Chunk(text=text, tokens=[tok]))
+
+    def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
+                error: Exception | None = None) -> None:
+        job = s.job
+        assert job is not None
+        now = time.perf_counter()
+        if reason in ("stop", "length") and error is None:
+            tail = job.decoder.decode(b"", final=True)
+            if job.stop is not None:
+                t2, hit = job.stop.feed(tail)
+                tail = t2 if hit else t2 + job.stop.flush()
+            text += tail
+        t = job.timings
+        t.n_decoded = len(job.out_tokens)
+        if job.t_first:
+            t.decode_ms = (now - job.t_first) * 1000
+        elif job.t_admit:
+            t.prompt_ms = (now - job.t_admit) * 1000
+        job.chain.close()
+        s.job = None
+        s.last_used = now
+        job.stream.put(Chunk(text=text, tokens=tokens or [], finish_reason=reason,  # type: ignore[arg-type]
+                             usage=job.usage(), timings=t, error=error))
+
+    def _fail(self, s: Slot, exc: Exception) -> None:
+        """One request failed: tell its stream, drop its sequence, keep serving the others."""
+        if s.job is None:
+            return
+        self.ctx.seq_rm(s.id)
+        s.tokens = []
+        err = exc if isinstance(exc, LocalLLMError) else EngineError(f"generation failed: {exc!r}")
+        self._finish(s, "error", error=err)

@@ -1,0 +1,91 @@
+"""GenerationParams → llama sampler chain, with every value checked first.
+
+Order follows llama.cpp's common sampler: grammar first (so constrained tokens are masked before
+anything else), penalties, then top_k → top_p → min_p → temperature → dist; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from localllm.errors import InvalidInput
+from localllm.runtime.llama import Model, SamplerChain, json_schema_to_gbnf
+from localllm.runtime.types import GenerationParams, Request
+
+
+def validate(req: Request) -> None:
+    """Raise InvalidInput naming every out-of-range value of a request (before anything runs)."""
+    problems = list(req.params.problems())
+    if req.max_tokens is not None and (not isinstance(req.max_tokens, int) or req.max_tokens <= 0):
+        problems.append(f"max_tokens must be a positive integer, got {req.max_tokens!r}")
+    if isinstance(req.prompt, str):
+        if not req.prompt:
+            problems.append("prompt is empty")
+    elif not req.prompt:
+        problems.append("prompt is empty")
+    if req.context_policy not in ("error", "shift", "truncate_history"):
+        problems.append(f"context_policy must be error, shift or truncate_history, got {req.context_policy!r}")
+    if not isinstance(req.n_keep, int) or req.n_keep < -1:
+        problems.append(f"n_keep must be >= -1, got {req.n_keep!r}")
+    if isinstance(req.stop, str):
+        req.stop = [req.stop]  # OpenAI clients send a single string too
+    if req.stop and (not isinstance(req.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in req.stop)):
+        problems.append("stop must be a list of non-empty strings")
+    if req.grammar is not None and req.json_schema is not None:
+        problems.append("give grammar or json_schema, not both")
+    if problems:
+        raise InvalidInput("; ".join(problems))
+
+
+def grammar_for(req: Request) -> str | None:
+    """The GBNF text a request asks for (json_schema converted), or None."""
+    if req.json_schema is not None:
+        schema: Any = req.json_schema
+        if not isinstance(schema, str):
+            schema = json.dumps(schema)
+        else:
+            try:
+                json.loads(schema)
+            except ValueError as exc:
+                raise InvalidInput(f"json_schema is not valid JSON: {exc}") from exc
+        return json_schema_to_gbnf(schema)
+    if req.grammar is not None:
+        if not req.grammar.strip():
+            raise InvalidInput("grammar is empty")
+        return req.grammar
+    return None
+
+
+def lc_free_penalties(p: GenerationParams) -> bool:
+    """True when no penalty sampler is in the chain (greedy can then be a plain argmax)."""
+    return p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+
+
+def build_chain(model: Model, params: GenerationParams, gbnf: str | None = None) -> SamplerChain:
+    """A fresh chain for one request; the caller owns it (close() when done)."""
+    chain = SamplerChain()
+    try:
+        if gbnf is not None:
+            chain.add_grammar(model, gbnf)
+        p = params
+        if not lc_free_penalties(p):
+            chain.add_penalties(model.n_vocab, p.repeat_last_n, float(p.repeat_penalty),
+                                float(p.frequency_penalty), float(p.presence_penalty))
+        if p.temperature <= 0:
+            chain.add_greedy()
+            chain.greedy_only = gbnf is None and lc_free_penalties(p)
+        else:
+            if p.top_k > 0:
+                chain.add_top_k(p.top_k)
+            if p.top_p < 1.0:
+                chain.add_top_p(float(p.top_p))
+            if p.min_p > 0.0:
+                chain.add_min_p(float(p.min_p))
+            chain.add_temp(float(p.temperature))
+            chain.add_dist(p.seed if p.seed is not None else random.getrandbits(32))
+    except BaseException:
+        chain.close()
+        raise
+    return chain

@@ -1,0 +1,109 @@
+"""Per-sequence state: what a slot holds in the KV cache and what its current request needs."""
+
+from __future__ import annotations
+
+import codecs
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from localllm.runtime.llama import SamplerChain
+from localllm.runtime.types import Chunk, Notice, Request, Timings, Usage
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries; holds back text that may begin a stop string."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hit = -1
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0 and (hit < 0 or i < hit):
+                hit = i
+        if hit >= 0:
+            out, self.buf = self.buf[:hit], ""
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(self.buf)), hold, -1):
+                if self.buf.endswith(s[:k]):
+                    hold = k
+                    break
+        out = self.buf[: len(self.buf) - hold]
+        self.buf = self.buf[len(self.buf) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class StreamState:
+    """The engine's side of a Stream: the chunk queue and the cancel flag."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.done = False
+
+    def put(self, chunk: Chunk) -> None:
+        self.queue.put(chunk)
+        if chunk.finish_reason is not None:
+            self.done = True
+            self.queue.put(None)  # end of stream
+
+
+@dataclass
+class Job:
+    """A request while it waits or runs."""
+
+    request: Request
+    prompt: list[int]
+    stream: StreamState
+    chain: SamplerChain
+    n_keep: int
+    t_submit: float = field(default_factory=time.perf_counter)
+    notices: list[Notice] = field(default_factory=list)  # emitted before the first token
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
+    next_tokens: list[int] = field(default_factory=list)  # sampled, to be decoded next step (k>1: drafts)
+    out_tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    stop: StopMatcher | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.out_tokens),
+                     cached_tokens=self.cached)
+
+
+SlotState = Literal["idle", "prefill", "generate"]
+
+
+@dataclass
+class Slot:
+    """One llama sequence id. `tokens` mirrors the KV cache of that sequence: position i holds tokens[i]."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    job: Job | None = None
+    last_used: float = 0.0
+
+    @property
+    def state(self) -> SlotState:
+        if self.job is None:
+            return "idle"
+        return "prefill" if self.job.pending else "generate"

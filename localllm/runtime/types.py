@@ -1,0 +1,146 @@
+"""What goes into the engine (Request, GenerationParams) and what comes out (Chunk, Usage, Timings).
+
+A leaf module: imports nothing of localllm, so every front door can build requests and read
+chunks without touching llama.cpp.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+ContextPolicy = Literal["error", "shift", "truncate_history"]
+CONTEXT_POLICIES: tuple[str, ...] = ("error", "shift", "truncate_history")
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationParams:
+    """Sampling settings. temperature 0 means greedy (top_k/top_p/min_p are then irrelevant)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def problems(self) -> list[str]:
+        """What is out of range, in words (empty when valid)."""
+        out = []
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            out.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            out.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            out.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.repeat_penalty, (int, float)) or self.repeat_penalty <= 0:
+            out.append(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty!r}")
+        if not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
+            out.append(f"repeat_last_n must be >= -1, got {self.repeat_last_n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                out.append(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            out.append(f"seed must be an integer, got {self.seed!r}")
+        return out
+
+
+@dataclass
+class Request:
+    """One generation. `prompt` is text (tokenized with the model's BOS) or token ids."""
+
+    prompt: str | list[int]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    max_tokens: int | None = 256  # None: until EOG, a stop string, or the context policy stops it
+    stop: list[str] = field(default_factory=list)
+    grammar: str | None = None  # GBNF, start rule "root"
+    json_schema: dict[str, Any] | str | None = None
+    context_policy: ContextPolicy = "error"
+    n_keep: int = 0  # prompt tokens kept on a shift (the system prompt); -1 keeps the whole prompt
+    add_special: bool = True  # add BOS when tokenizing a text prompt
+    parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
+    ignore_eos: bool = False
+    # truncate_history hook: given the largest prompt (in tokens) that fits, return a shorter
+    # prompt (text or tokens) — e.g. the chat re-rendered without its oldest turns — or None.
+    truncate: Callable[[int], str | list[int] | None] | None = None
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    queue_ms: float = 0.0  # submit → slot assigned
+    prompt_ms: float = 0.0  # slot assigned → first token sampled (prefill of the uncached part)
+    decode_ms: float = 0.0  # first token → last token
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache, not prefilled
+    n_decoded: int = 0
+    draft_n: int = 0  # speculative decoding: tokens drafted / accepted (0 until drafting lands)
+    draft_accepted: int = 0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.prompt_ms
+
+    @property
+    def prompt_per_s(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n * 1000.0 / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def decode_per_s(self) -> float:
+        # the first token comes out of prefill; the rest are decode steps
+        return (self.n_decoded - 1) * 1000.0 / self.decode_ms if self.decode_ms > 0 and self.n_decoded > 1 else 0.0
+
+
+@dataclass
+class Notice:
+    """Something the engine did to the request's context: nothing is dropped silently."""
+
+    kind: Literal["context_shift", "prompt_truncated", "history_truncated", "context_full"]
+    n_dropped: int
+    message: str
+
+
+@dataclass
+class Chunk:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set on the last chunk only
+    usage: Usage | None = None  # last chunk only
+    timings: Timings | None = None  # last chunk only
+    notice: Notice | None = None
+    error: Exception | None = None  # with finish_reason "error"
+
+
+@dataclass
+class Result:
+    """A whole generation, collected from its stream."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    notices: list[Notice] = field(default_factory=list)

@@ -1,0 +1,46 @@
+"""`localllm run` end to end on the tiny model (a subprocess, as a user runs it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tinymodel import make_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def localllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "localllm", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_run_streams_a_completion(tiny: Path) -> None:
+    res = localllm("run", str(tiny), "hello world", "--max-tokens", "8", "--temperature", "0", "--verbose",
+                   "--ctx", "512")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    assert "TTFT" in res.stderr and "decode 8 tok" in res.stderr
+
+
+def test_run_reads_piped_stdin(tiny: Path) -> None:
+    a = localllm("run", str(tiny), "--max-tokens", "6", "--temperature", "0", "--raw", stdin="hello world")
+    b = localllm("run", str(tiny), "hello world", "--max-tokens", "6", "--temperature", "0", "--raw")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_run_bad_input_is_a_clean_error(tiny: Path, tmp_path: Path) -> None:
+    res = localllm("run", str(tiny), "hi", "--max-tokens", "0")
+    assert res.returncode == 1 and "max_tokens" in res.stderr and "Traceback" not in res.stderr
+    res = localllm("run", str(tmp_path / "missing.gguf"), "hi")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
+    res = localllm("run", str(bad), "hi")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
