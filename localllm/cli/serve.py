@@ -1,0 +1,101 @@
+"""`localllm serve` (the HTTP server) and `localllm ps` (what a running server has loaded)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from datetime import datetime
+from typing import Any
+
+import click
+
+
+def _settings(host: str | None, port: int | None) -> Any:
+    import dataclasses
+
+    from localllm.config import load_settings
+
+    s = load_settings()  # LOCALLLM_HOST works like OLLAMA_HOST: host, host:port or :port
+    changes: dict[str, Any] = {}
+    if host:
+        changes["host"] = host
+    if port:
+        changes["port"] = port
+    return dataclasses.replace(s, **changes) if changes else s
+
+
+@click.command()
+@click.option("--host", help="Address to bind (default 127.0.0.1, or LOCALLLM_HOST).")
+@click.option("--port", type=int, help="Port (default 11434, or the port in LOCALLLM_HOST).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+def serve(host: str | None, port: int | None, log_level: str) -> None:
+    """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
+
+    \b
+    Examples:
+      localllm serve
+      LOCALLLM_HOST=127.0.0.1:8080 localllm serve
+      localllm serve --port 8012        (point llama.vim's g:llama_config.endpoint here)
+    """
+    import uvicorn
+
+    from localllm.server.app import create_app
+
+    settings = _settings(host, port)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
+                    fg="yellow", err=True)
+    app = create_app(settings)
+    click.echo(f"localllm listening on http://{settings.host}:{settings.port}", err=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def processor(size: int, vram: int) -> str:
+    """Ollama's PROCESSOR column: "100% CPU", "100% GPU" or "30%/70% CPU/GPU"."""
+    if size <= 0 or vram <= 0:
+        return "100% CPU"
+    gpu = min(100, round(100 * vram / size))
+    return "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")
+def ps(as_json: bool) -> None:
+    """Show the models a running `localllm serve` has loaded."""
+    from localllm.config import load_settings
+
+    s = load_settings()
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+    url = f"http://{host}:{s.port}/api/ps"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {s.api_key}"} if s.api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        from localllm.errors import LocalLLMError
+
+        raise LocalLLMError(f"no localllm server answered at {url} ({exc})", "start one: localllm serve") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [("NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    for m in data.get("models", []):
+        until = m.get("expires_at") or ""
+        try:
+            until = datetime.fromisoformat(until.replace("Z", "+00:00")).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        except ValueError:
+            pass
+        rows.append((m["name"], _fmt_size(m.get("size", 0)), processor(m.get("size", 0), m.get("size_vram", 0)),
+                     str(m.get("context_length") or ""), until))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -1,0 +1,218 @@
+"""Loaded engines by model name: load on first use, keep for keep_alive, evict the idle first.
+
+The pool knows files and engine options, not names on disk: a `resolve(name, options)` callable
+(composed by the CLI or server from the store, catalog and fit plan) turns a name into a ModelSpec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import InvalidInput, Overloaded
+
+FOREVER = float("inf")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: Path
+    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    size_bytes: int = 0  # weights + KV estimate, for the memory budget
+    size_vram: int = 0
+    details: dict[str, Any] = field(default_factory=dict, hash=False)
+    # entered while the model is loaded (the store marks the file in use), exited on unload
+    hold: Callable[[], contextlib.AbstractContextManager[Any]] | None = field(default=None, hash=False)
+
+
+@dataclass
+class Loaded:
+    spec: ModelSpec
+    engine: Any
+    keep_alive: float
+    last_used: float
+    hold: contextlib.ExitStack
+    users: int = 0  # requests currently holding the engine through `use()`
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_used + self.keep_alive
+
+
+def parse_keep_alive(value: Any, default: float = 300.0) -> float:
+    """Ollama semantics: "5m", "1h30m", seconds as a number, 0 = unload now, negative = forever."""
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        raise InvalidInput(f"keep_alive must be a duration like '5m' or seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        return FOREVER if value < 0 else float(value)
+    text = str(value).strip().lower()
+    try:
+        secs = float(text)
+        return FOREVER if secs < 0 else secs
+    except ValueError:
+        pass
+    if text.startswith("-"):
+        return FOREVER
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    total, num = 0.0, ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c.isdigit() or c == ".":
+            num += c
+            i += 1
+            continue
+        unit = "ms" if text.startswith("ms", i) else c
+        if unit not in units or not num:
+            raise InvalidInput(f"keep_alive {value!r} is not a duration", "use e.g. '5m', '30s', '1h', 0 or -1")
+        total += float(num) * units[unit]
+        num = ""
+        i += len(unit)
+    if num:
+        raise InvalidInput(f"keep_alive {value!r} has a number without a unit", "use e.g. '5m', '30s' or seconds")
+    return total
+
+
+class ModelPool:
+    def __init__(self, resolve: Callable[[str, dict[str, Any]], ModelSpec], *, engine_factory: Callable[..., Any],
+                 memory_budget: int | None = None, default_keep_alive: float = 300.0, max_models: int = 3,
+                 reap_interval: float = 1.0) -> None:
+        self._resolve = resolve
+        self._factory = engine_factory
+        self.memory_budget = memory_budget
+        self.default_keep_alive = default_keep_alive
+        self.max_models = max_models
+        self._loaded: dict[str, Loaded] = {}
+        self._lock = threading.RLock()
+        self._loading: dict[str, threading.Lock] = {}
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval,), name="localllm-pool",
+                                        daemon=True)
+        self._reaper.start()
+
+    # ---- public ----------------------------------------------------------------------------------
+    def get(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
+        """The engine for `name`, loading it (and evicting idle models to make room) when needed."""
+        spec = self._resolve(name, options or {})
+        ka = parse_keep_alive(keep_alive, self.default_keep_alive)
+        with self._lock:
+            gate = self._loading.setdefault(spec.name, threading.Lock())
+        with gate:  # one load per name at a time; others wait and reuse it
+            with self._lock:
+                cur = self._loaded.get(spec.name)
+                if cur is not None and cur.spec.engine_kwargs == spec.engine_kwargs:
+                    cur.last_used, cur.keep_alive = time.monotonic(), ka
+                    return cur.engine
+                if cur is not None:  # options changed (e.g. num_ctx): reload like Ollama does
+                    if cur.users:
+                        raise Overloaded(f"{spec.name} is busy with other options; retry shortly")
+                    self._unload_locked(spec.name)
+                self._make_room(spec)
+            stack = contextlib.ExitStack()
+            if spec.hold is not None:
+                stack.enter_context(spec.hold())
+            try:
+                engine = self._factory(spec.path, **spec.engine_kwargs)
+            except BaseException:
+                stack.close()
+                raise
+            with self._lock:
+                self._loaded[spec.name] = Loaded(spec, engine, ka, time.monotonic(), stack)
+            return engine
+
+    @contextlib.contextmanager
+    def use(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
+        """Hold an engine for the length of one request: it is not evicted while in use."""
+        engine = self.get(name, options=options, keep_alive=keep_alive)
+        key = self._key_of(engine)
+        with self._lock:
+            if key in self._loaded:
+                self._loaded[key].users += 1
+        try:
+            yield engine
+        finally:
+            with self._lock:
+                if key in self._loaded:
+                    entry = self._loaded[key]
+                    entry.users -= 1
+                    entry.last_used = time.monotonic()
+
+    def touch(self, name: str, keep_alive: Any) -> None:
+        """Apply a keep_alive after a request; 0 unloads at once."""
+        with self._lock:
+            for key, entry in list(self._loaded.items()):
+                if key == name or entry.spec.name == name:
+                    entry.keep_alive = parse_keep_alive(keep_alive, self.default_keep_alive)
+                    entry.last_used = time.monotonic()
+                    if entry.keep_alive == 0 and entry.users == 0 and entry.engine.idle():
+                        self._unload_locked(key)
+
+    def unload(self, name: str) -> bool:
+        with self._lock:
+            keys = [k for k, e in self._loaded.items() if k == name or e.spec.name == name
+                    or k.split(":")[0] == name]
+            for key in keys:
+                self._unload_locked(key)
+            return bool(keys)
+
+    def loaded(self) -> list[dict[str, Any]]:
+        """What /api/ps and `localllm ps` show."""
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            return [{"name": k, "path": str(e.spec.path), "size": e.spec.size_bytes, "size_vram": e.spec.size_vram,
+                     "expires_at": None if e.keep_alive == FOREVER else wall + (e.expires_at - now),
+                     "context_length": getattr(e.engine, "n_ctx", None), "details": e.spec.details,
+                     "busy": e.users > 0 or not e.engine.idle()}
+                    for k, e in self._loaded.items()]
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            for key in list(self._loaded):
+                self._unload_locked(key)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _key_of(self, engine: Any) -> str | None:
+        with self._lock:
+            return next((k for k, e in self._loaded.items() if e.engine is engine), None)
+
+    def _unload_locked(self, key: str) -> None:
+        entry = self._loaded.pop(key, None)
+        if entry is None:
+            return
+        try:
+            entry.engine.close()
+        finally:
+            entry.hold.close()
+
+    def _make_room(self, spec: ModelSpec) -> None:
+        """Evict idle models, least recently used first, until the new one fits the budget and count."""
+        def over() -> bool:
+            used = sum(e.spec.size_bytes for e in self._loaded.values())
+            too_big = self.memory_budget is not None and used + spec.size_bytes > self.memory_budget
+            return too_big or len(self._loaded) >= self.max_models
+
+        for key, entry in sorted(self._loaded.items(), key=lambda kv: kv[1].last_used):
+            if not over():
+                return
+            if entry.users == 0 and entry.engine.idle():
+                self._unload_locked(key)
+        if over() and self._loaded:
+            raise Overloaded(f"not enough memory to load {spec.name} while other models are busy",
+                             "retry when current requests finish, or raise the memory budget")
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                for key, entry in list(self._loaded.items()):
+                    if entry.users == 0 and now >= entry.expires_at and entry.engine.idle():
+                        self._unload_locked(key)

@@ -1,0 +1,148 @@
+"""`create_app(...)`: builds the FastAPI app with everything it needs on `app.state`; no module globals."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localllm import __version__
+from localllm.config import Settings, load_settings
+from localllm.errors import LocalLLMError
+from localllm.server.security import BodyTooLarge, GuardMiddleware, error_body
+
+
+def _json_error(request: Request, status: int, message: str) -> Response:
+    headers = {"Retry-After": "2"} if status == 503 else None  # a full queue: tell clients when to retry
+    return Response(error_body(request.url.path, status, message), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+class JSONBodies:
+    """Every endpoint takes JSON; `curl -d '{...}'` labels it form data. Read any body as JSON, like Ollama
+    and llama-server do (cross-site senders are refused by GuardMiddleware before this)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "DELETE"):
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"")
+            if b"json" not in ctype.lower():
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+def default_pool(settings: Settings, composer: Any) -> Any:
+    """The pool the CLI's server uses: real engines, a memory budget of most of the RAM."""
+    from localllm.runtime.engine import Engine
+    from localllm.runtime.pool import ModelPool, parse_keep_alive
+
+    try:
+        from localllm.hardware import ram
+
+        budget: int | None = int(ram()[0] * 0.8)
+    except Exception:  # noqa: BLE001 - no budget rather than no server
+        budget = None
+    return ModelPool(composer.resolve, engine_factory=Engine, memory_budget=budget,
+                     default_keep_alive=parse_keep_alive(settings.keep_alive))
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if err.get("type") == "json_invalid":
+            return "Request body is not valid JSON: " + str(err.get("ctx", {}).get("error", err.get("msg")))
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "Invalid request: " + "; ".join(parts)
+
+
+def create_app(settings: Settings | None = None, *, store: Any = None, catalog: Any = None,
+               pool: Any = None) -> FastAPI:
+    """Build the server. Tests pass their own store, catalog and pool; the CLI passes nothing."""
+    from localllm.catalog import Catalog
+    from localllm.server.compose import Composer
+    from localllm.store import Store
+
+    settings = settings or load_settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for embedder in app.state.embedders.values():
+            embedder.close()
+        if app.state.pool is not None and app.state.owns_pool:
+            app.state.pool.close()  # engines stop their threads and free the model files
+
+    app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.store = store or Store()
+    app.state.catalog = catalog or Catalog.load()
+    app.state.info_cache = {}
+    app.state.composer = Composer(settings, app.state.store, app.state.catalog, app.state.info_cache)
+    app.state.owns_pool = pool is None
+    app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer)
+    app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
+    app.state.embed_lock = threading.Lock()
+
+    @app.exception_handler(LocalLLMError)
+    async def _local(request: Request, exc: LocalLLMError) -> Response:
+        message = exc.message + (f" ({exc.hint})" if exc.hint else "")
+        return _json_error(request, exc.status, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _json_error(request, 400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI turns a failed body read into "error parsing the body" (400): say what really happened
+        if isinstance(exc.__cause__, BodyTooLarge):
+            return _json_error(request, 413, str(exc.__cause__))
+        return _json_error(request, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return _json_error(request, 413, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # never leak paths or tracebacks to clients; the server log has the details
+        import logging
+
+        logging.getLogger("localllm.server").exception("unhandled error on %s", request.url.path)
+        return _json_error(request, 500, f"internal error ({type(exc).__name__}); see the server log")
+
+    from localllm.server import llamacpp, ollama, ollama_gen, openai
+
+    app.include_router(ollama.router)
+    app.include_router(ollama_gen.router)
+    app.include_router(openai.router)
+    app.include_router(llamacpp.router)
+
+    @app.get("/")
+    async def root() -> Response:
+        return Response("localllm is running", media_type="text/plain")
+
+    @app.head("/")
+    async def root_head() -> Response:
+        return Response(media_type="text/plain")
+
+    app.add_middleware(JSONBodies)
+    guarded = GuardMiddleware  # applied last so it wraps everything, error handlers included
+    app.add_middleware(guarded, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins,
+                       api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def json_response(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status)

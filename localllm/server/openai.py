@@ -1,0 +1,279 @@
+"""OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings (SSE, `[DONE]`).
+
+Wire models (pydantic) → a transport-free handler building a runtime Request → a thin router that
+renders the Chunk stream as a JSON body or Server-Sent Events. Extra fields are accepted the way
+llama-server accepts them: top_k, min_p, repeat_penalty, and the context size per request as
+`n_ctx` or `options.num_ctx` (reloads the model with that context, like Ollama's num_ctx).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from localllm.errors import InvalidInput
+from localllm.runtime.types import Request as GenRequest
+from localllm.server import generation as gen
+from localllm.server.streaming import achunks
+
+router = APIRouter()
+SSE = "text/event-stream"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Common(_Body):
+    model: str
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int | None = None
+    n_ctx: int | None = None
+    options: dict[str, Any] | None = None
+    context_policy: str | None = None
+    keep_alive: str | int | float | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+
+
+# ---- handler (transport-free) ----------------------------------------------------------------------
+def _options(body: _Common) -> dict[str, Any]:
+    opts = {k: v for k, v in (body.options or {}).items() if k in ("num_ctx", "num_thread", "num_gpu", "num_batch")}
+    if body.n_ctx is not None:
+        opts["num_ctx"] = body.n_ctx
+    return opts
+
+
+def _sampling(body: _Common) -> dict[str, Any]:
+    values = {k: (body.options or {}).get(k) for k in gen.PARAM_KEYS}
+    for key in gen.PARAM_KEYS:
+        direct = getattr(body, key, None)
+        if direct is not None:
+            values[key] = direct
+    return values
+
+
+def _check_n(body: _Common) -> None:
+    if body.n not in (None, 1):
+        raise InvalidInput("only n=1 is supported", "send one request per completion")
+    # saying so beats answering `logprobs: null` to a client that needs them
+    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None):
+        raise InvalidInput("logprobs are not supported by this server yet", "leave out logprobs/top_logprobs")
+
+
+def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [int(p) for p in prompt]
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    raise InvalidInput("prompt must be a string, a list with one string, or a list of token ids",
+                       "send one request per prompt")
+
+
+def _chat_request(state: Any, body: ChatCompletionRequest, lease: gen.Lease) -> GenRequest:
+    _check_n(body)
+    if not body.messages:
+        raise InvalidInput("messages must not be empty")
+    fmt = state.composer.chat_format(lease.name, lease.engine)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    extra = {"tools": body.tools} if body.tools else {}
+    text, n_keep = fmt.render(messages, lease.engine, **extra)
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return GenRequest(text, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(limit, lease.engine),
+                      stop=gen.stop_list(body.stop) + fmt.stops, json_schema=gen.json_format(body.response_format),
+                      context_policy=gen.context_policy(body.context_policy, "shift"),  # type: ignore[arg-type]
+                      n_keep=n_keep, truncate=fmt.truncator(messages, lease.engine, **extra))
+
+
+def _completion_request(state: Any, body: CompletionRequest, lease: gen.Lease) -> GenRequest:
+    _check_n(body)
+    prompt = _prompt_text(body.prompt)
+    if body.suffix is not None:
+        if not isinstance(prompt, str):
+            raise InvalidInput("suffix needs a text prompt")
+        from localllm.runtime.templates import fim_prompt
+
+        fmt = state.composer.chat_format(lease.name, lease.engine)
+        prompt = fim_prompt(prompt, body.suffix, tokens=fmt.fim)
+    return GenRequest(prompt, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(body.max_tokens,
+                      lease.engine), stop=gen.stop_list(body.stop), json_schema=gen.json_format(body.response_format),
+                      context_policy=gen.context_policy(body.context_policy, "error"))  # type: ignore[arg-type]
+
+
+def _usage(u: Any) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[str, Any]]:
+    out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
+    return [{"index": i, **c} for i, c in enumerate(out)] if delta else out
+
+
+# ---- rendering ---------------------------------------------------------------------------------------
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(state: Any, lease: gen.Lease, stream: Any, *, chat: bool, base: dict[str, Any],
+                  include_usage: bool, echo: str = "", tools: bool = False) -> AsyncIterator[bytes]:
+    """Chunks as SSE. An error after the stream started is sent as an `error` event, then [DONE]."""
+    try:
+        if chat:
+            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        elif echo:
+            yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
+        usage, held_text = None, ""
+        async for chunk in achunks(stream):
+            if chunk.error is not None:
+                yield _sse({"error": {"message": chunk.error.args[0] if chunk.error.args else "generation failed",
+                                      "type": "server_error", "param": None, "code": 500}})
+                break
+            done = gen.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+            if tools:  # a tool call is only recognizable whole: hold the text until the end
+                held_text += chunk.text
+                if done:
+                    content, calls = gen.parse_tool_calls(held_text)
+                    delta: dict[str, Any] = {"tool_calls": _tool_calls(calls, delta=True)} if calls else \
+                        {"content": content}
+                    yield _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                     "finish_reason": "tool_calls" if calls else done}]})
+            elif chunk.text or done:
+                piece = {"content": chunk.text} if chunk.text else {}
+                choice = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": done} if chat else
+                          {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": done})
+                yield _sse({**base, "choices": [choice]})
+            if chunk.usage is not None:
+                usage = chunk.usage
+        if include_usage and usage is not None:
+            yield _sse({**base, "choices": [], "usage": _usage(usage)})
+    except Exception as exc:  # this client's stream only; the server log has the details
+        logging.getLogger("localllm.server").exception("stream failed")
+        yield _sse({"error": {"message": f"generation failed ({type(exc).__name__})", "type": "server_error",
+                              "param": None, "code": 500}})
+    finally:
+        lease.release()
+    yield b"data: [DONE]\n\n"
+
+
+async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
+    state = request.app.state
+    lease = await gen.acquire(state, body.model, options=_options(body), keep_alive=body.keep_alive)
+    try:
+        # template rendering and tokenizing the system prefix run off the event loop
+        build = _chat_request if chat else _completion_request
+        req = await run_in_threadpool(build, state, body, lease)  # type: ignore[arg-type]
+    except BaseException:
+        lease.release()
+        raise
+    stream = await gen.submit(state, lease, req)
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": body.model}
+    echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
+    if body.stream:
+        include = bool((body.stream_options or {}).get("include_usage"))
+        events = gen.releasing(_events(state, lease, stream, chat=chat, base=base, include_usage=include, echo=echo,
+                                       tools=bool(getattr(body, "tools", None))), lease)
+        return StreamingResponse(events, media_type=SSE, headers={"Cache-Control": "no-cache"})
+    async with gen.held(lease):
+        res = await gen.collect(stream)
+    if body.keep_alive is not None:
+        state.pool.touch(lease.name, body.keep_alive)
+    reason = gen.finish_reason(res.finish_reason)
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": res.text}
+        if getattr(body, "tools", None):
+            content, calls = gen.parse_tool_calls(res.text)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
+                reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage)})
+    choice = {"index": 0, "text": echo + res.text, "logprobs": None, "finish_reason": reason}
+    return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage)})
+
+
+# ---- router ------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _run(request, body, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _run(request, body, chat=False)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    data = [{"id": m.name, "object": "model", "created": int(m.created), "owned_by": "localllm"}
+            for m in request.app.state.store.list()]
+    return {"object": "list", "data": data}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(name: str, request: Request) -> dict[str, Any]:
+    man = request.app.state.store.require(name)
+    return {"id": man.name, "object": "model", "created": int(man.created), "owned_by": "localllm"}
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    state = request.app.state
+    texts = body.input if isinstance(body.input, list) else [body.input]
+    vectors, n_tokens = await gen.embed_texts(state, body.model, texts)
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": body.model,
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
