@@ -15,12 +15,20 @@ from localllm import __version__
 
 # command name -> (module, attribute, one-line help); the module loads only when the command runs
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "chat": ("localllm.cli.chat", "chat", "Chat with a model in a terminal UI (saved conversations, model picker)."),
     "pull": ("localllm.cli.models", "pull", "Download a model (catalog name, hf.co/owner/repo[:QUANT] or .gguf path)."),
     "list": ("localllm.cli.models", "list_", "List installed models (or the catalog with --catalog)."),
     "show": ("localllm.cli.models", "show", "Show a model's architecture, size, quant and context."),
     "rm": ("localllm.cli.models", "rm", "Remove installed models."),
     "cp": ("localllm.cli.models", "cp", "Copy a model to a new name (no new file is written)."),
     "prune": ("localllm.cli.models", "prune", "Delete model files no name points at."),
+    "run": ("localllm.cli.run", "run", "Run a model on a prompt, piped stdin, or interactively."),
+    "bench": ("localllm.cli.run", "bench", "Benchmark the engine against llama-cpp-python's Llama class."),
+    "serve": ("localllm.cli.serve", "serve", "Serve models over HTTP (OpenAI, Ollama and llama.cpp /infill dialects)."),
+    "ps": ("localllm.cli.serve", "ps", "Show the models a running server has loaded."),
+    "quantize": ("localllm.cli.quantize", "quantize", "Quantize a model with llama.cpp (Q2_K … Q8_0) into the store."),
+    "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),
+    "doctor": ("localllm.cli.doctor", "doctor", "Check the llama.cpp build against this machine's GPUs."),
 }
 
 

@@ -1,0 +1,67 @@
+"""`localllm chat [MODEL]`: the Textual chat app, composed over the pool, store, catalog and templates."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def build_backend(model: str | None, ctx: int | None) -> tuple[Any, str | None]:
+    """(EngineBackend, model name) for a store name (pool-managed) or a .gguf path (one engine)."""
+    from localllm.runtime.engine import Engine
+    from localllm.tui.backend import EngineBackend
+
+    if model and (model.endswith(".gguf") or Path(model).expanduser().is_file()):
+        from localllm.gguf_meta import model_info
+
+        path = Path(model).expanduser()
+        engine = Engine(path, n_ctx=ctx or 4096, slots=1)
+        backend = EngineBackend.single(engine, path.name, template="plain")
+        tpl = model_info(path).chat_template
+        if tpl:  # the file's own template beats the plain fallback
+            backend.format_for = lambda _m, _e: (tpl, [])
+        return backend, path.name
+
+    from localllm import pull as pull_mod
+    from localllm.catalog import Catalog
+    from localllm.config import load_settings
+    from localllm.runtime.pool import ModelPool
+    from localllm.server.compose import Composer
+    from localllm.store import Store
+
+    store, catalog = Store(), Catalog.load()
+    # one person chatting: one slot is enough and leaves the memory to the context
+    settings = dataclasses.replace(load_settings(), slots=1, ctx=ctx or load_settings().ctx)
+    composer = Composer(settings, store, catalog)
+    pool = ModelPool(composer.resolve, engine_factory=Engine)
+
+    def engine_for(name: str, chat_settings: Any) -> Any:
+        return pool.get(name, options={"num_ctx": chat_settings.num_ctx} if chat_settings.num_ctx else None)
+
+    def format_for(name: str, engine: Any) -> tuple[str, list[str]]:
+        fmt = composer.chat_format(name, engine)
+        return fmt.template, list(fmt.stops)
+
+    def puller(name: str, progress: Any) -> None:
+        pull_mod.pull(catalog.resolve(name), store, progress)
+
+    return EngineBackend(engine_for, format_for, store=store, catalog_=catalog, puller=puller), model
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--ctx", type=int, default=None, help="Context size in tokens (default: fit to memory).")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Conversation database (default: chats.sqlite in the data folder).")
+def chat(model: str | None, ctx: int | None, db: Path | None) -> None:
+    """Chat with a model in a terminal UI; conversations are saved. F1 inside lists the keys."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise click.UsageError("chat needs a terminal; use `localllm run MODEL PROMPT` for pipes")
+    from localllm.tui.app import create_app
+
+    backend, name = build_backend(model, ctx)
+    create_app(backend, model=name, db_path=db).run()

@@ -1,0 +1,170 @@
+"""What the chat app needs from the rest of localllm, as one small protocol, and its real implementation.
+
+The app never touches the pool or the engine directly: tests hand it a scripted fake, the CLI hands
+it an `EngineBackend` composed over the pool, the store, the catalog and the chat templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
+
+from localllm.runtime.types import CONTEXT_POLICIES, Chunk, GenerationParams, Request
+
+
+@dataclass
+class ChatSettings:
+    """Per-conversation settings (saved with the conversation as JSON)."""
+
+    system: str = ""
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    max_tokens: int | None = 1024
+    num_ctx: int | None = None  # None: the model's planned context
+    context_policy: str = "shift"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> ChatSettings:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (raw or {}).items() if k in known})
+
+    def problems(self) -> list[str]:
+        out = GenerationParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p).problems()
+        if self.context_policy not in CONTEXT_POLICIES:
+            out.append(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            out.append("max tokens must be >= 1 (or empty for no limit)")
+        if self.num_ctx is not None and self.num_ctx < 64:
+            out.append("context size must be >= 64 (or empty for the model's default)")
+        return out
+
+
+@dataclass
+class ModelRow:
+    name: str
+    size: int = 0
+    quant: str | None = None
+    context: int | None = None
+
+
+@dataclass
+class CatalogRow:
+    name: str
+    description: str = ""
+    installed: bool = False
+    context: int | None = None
+
+
+class ChatStream(Protocol):
+    def __iter__(self) -> Iterator[Chunk]: ...
+    def cancel(self) -> None: ...
+
+
+class PullProgress(Protocol):
+    def status(self, message: str) -> None: ...
+    def bytes(self, digest: str, total: int, completed: int) -> None: ...
+
+
+@runtime_checkable
+class ChatBackend(Protocol):
+    def models(self) -> list[ModelRow]: ...
+    def catalog(self) -> list[CatalogRow]: ...
+    def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream: ...
+    def pull(self, name: str, progress: PullProgress) -> None: ...
+    def n_ctx(self, model: str) -> int | None: ...
+
+
+def build_messages(messages: Sequence[dict[str, Any]], settings: ChatSettings) -> list[dict[str, Any]]:
+    """The system prompt goes first; the app keeps it in settings, not in the transcript."""
+    head = [{"role": "system", "content": settings.system}] if settings.system.strip() else []
+    return head + [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+@dataclass
+class EngineBackend:
+    """ChatBackend over the runtime.
+
+    engine_for(model, settings) returns a loaded Engine (the CLI passes ModelPool.get with num_ctx);
+    format_for(model, engine) returns (template source, extra stop strings) — the GGUF's own template
+    or the catalog's built-in fallback.
+    """
+
+    engine_for: Callable[[str, ChatSettings], Any]
+    format_for: Callable[[str, Any], tuple[str, list[str]]]
+    store: Any = None
+    catalog_: Any = None
+    puller: Callable[[str, PullProgress], None] | None = None
+    _ctx: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls, engine: Any, name: str, template: str = "plain") -> EngineBackend:
+        """One already-loaded engine under one name, with a built-in template (tests, `chat file.gguf`)."""
+        from localllm.runtime import templates
+
+        source = templates.builtin_template(template)
+        stops = list(templates.BUILTIN_STOPS.get(template, ()))
+        backend = cls(engine_for=lambda _m, _s: engine, format_for=lambda _m, _e: (source, stops))
+        backend._ctx[name] = engine.n_ctx
+        backend._single = name  # type: ignore[attr-defined]
+        return backend
+
+    def models(self) -> list[ModelRow]:
+        if self.store is None:
+            name = getattr(self, "_single", None)
+            return [ModelRow(name, context=self._ctx.get(name))] if name else []
+        rows = []
+        for man in self.store.list():
+            entry = self.catalog_.entry(man.name) if self.catalog_ is not None else None
+            ctx = self._ctx.get(man.name) or (entry or {}).get("context_length")
+            rows.append(ModelRow(man.name, man.size, man.quant, ctx))
+        return rows
+
+    def catalog(self) -> list[CatalogRow]:
+        if self.catalog_ is None:
+            return []
+        installed = {m.name for m in self.models()}
+        out = []
+        for name in self.catalog_.names():
+            entry = self.catalog_.entry(name) or {}
+            out.append(CatalogRow(name, str(entry.get("description", "")), name in installed,
+                                  entry.get("context_length")))
+        return out
+
+    def n_ctx(self, model: str) -> int | None:
+        return self._ctx.get(model)
+
+    def pull(self, name: str, progress: PullProgress) -> None:
+        if self.puller is None:
+            raise RuntimeError("pulling is not available here")
+        self.puller(name, progress)
+
+    def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream:
+        from localllm.runtime.templates import render_chat, render_chat_parts, truncate_history
+
+        engine = self.engine_for(model, settings)
+        self._ctx[model] = engine.n_ctx
+        template, stops = self.format_for(model, engine)
+        msgs = build_messages(messages, settings)
+        parts = render_chat_parts(template, msgs, add_generation_prompt=True)
+        # n_keep: the system prompt survives a context shift
+        n_keep = len(engine.tokenize(parts.system_prefix)) if parts.system_prefix else 0
+
+        def truncate(budget: int) -> str | None:
+            def fits(kept: list[dict[str, Any]]) -> bool:
+                return len(engine.tokenize(render_chat(template, kept))) <= budget
+
+            kept, dropped = truncate_history(msgs, fits)
+            return render_chat(template, kept) if dropped else None
+
+        req = Request(prompt=parts.text,
+                      params=GenerationParams(temperature=settings.temperature, top_k=settings.top_k,
+                                              top_p=settings.top_p),
+                      max_tokens=settings.max_tokens, stop=list(stops),
+                      context_policy=settings.context_policy,  # type: ignore[arg-type]
+                      n_keep=n_keep, truncate=truncate)
+        return engine.submit(req)

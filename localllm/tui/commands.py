@@ -1,0 +1,79 @@
+"""Slash commands, as in Ollama's REPL: parsed here (pure), carried out by the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localllm.tui.backend import ChatSettings
+
+HELP = """\
+| command | does |
+|---|---|
+| `/set temperature 0.2` | also `top_p`, `top_k`, `max_tokens` (`num_predict`), `num_ctx`, `policy` |
+| `/set system TEXT` | the system prompt (`/set system` alone clears it) |
+| `/show` | the current settings |
+| `/clear` | start a new conversation (the old one stays in the sidebar) |
+| `/load MODEL` | switch model, keeping the conversation |
+| `/save NAME` | name this conversation |
+| `/help` | this help, and the key bindings (F1) |
+| `/bye` | quit |
+"""
+
+# user-facing setting names -> ChatSettings fields
+ALIASES = {"temperature": "temperature", "temp": "temperature", "top_p": "top_p", "top_k": "top_k",
+           "max_tokens": "max_tokens", "num_predict": "max_tokens", "num_ctx": "num_ctx", "context": "num_ctx",
+           "policy": "context_policy", "context_policy": "context_policy", "system": "system"}
+
+
+@dataclass
+class Command:
+    name: str
+    arg: str = ""
+
+
+class CommandError(ValueError):
+    pass
+
+
+def parse(text: str) -> Command | None:
+    """A Command for '/name rest…', None for an ordinary prompt."""
+    text = text.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    name, _, arg = text[1:].partition(" ")
+    return Command(name.lower(), arg.strip())
+
+
+def apply_set(settings: ChatSettings, arg: str) -> str:
+    """Change one setting in place from '/set KEY VALUE'; returns a confirmation line."""
+    key, _, value = arg.partition(" ")
+    field = ALIASES.get(key.lower())
+    if field is None:
+        raise CommandError(f"unknown setting {key!r}; try one of: {', '.join(sorted(set(ALIASES)))}")
+    value = value.strip()
+    if field == "system":
+        settings.system = value
+        return "system prompt set" if value else "system prompt cleared"
+    if field == "context_policy":
+        new = value
+    elif field in ("max_tokens", "num_ctx") and value.lower() in ("", "none", "default", "-1"):
+        new = None
+    else:
+        try:
+            new = int(value) if field in ("top_k", "max_tokens", "num_ctx") else float(value)
+        except ValueError:
+            raise CommandError(f"{key} needs a number, got {value!r}") from None
+    old = getattr(settings, field)
+    setattr(settings, field, new)
+    problems = settings.problems()
+    if problems:
+        setattr(settings, field, old)
+        raise CommandError("; ".join(problems))
+    return f"{field} = {new}"
+
+
+def show(settings: ChatSettings, model: str | None) -> str:
+    s = settings
+    return (f"model {model or '-'} · temperature {s.temperature} · top_p {s.top_p} · top_k {s.top_k} · "
+            f"max_tokens {s.max_tokens} · num_ctx {s.num_ctx or 'default'} · policy {s.context_policy}"
+            + (f"\nsystem: {s.system}" if s.system else ""))

@@ -1,0 +1,235 @@
+"""The chat screen's widgets: transcript entries, the prompt box, the status bar, the sidebar."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Label, ListItem, ListView, Markdown, Static, TextArea
+
+from localllm.runtime.types import Timings, Usage
+from localllm.tui.history import Conversation
+
+
+class UserTurn(Markdown):
+    """One user message (styled apart from replies in chat.tcss)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text, classes="turn user")
+        self.border_title = "you"
+
+
+class ReplySegment(Static):
+    """A run of a reply's Markdown rendered as one widget (Rich Markdown: code blocks highlighted).
+
+    One widget per segment instead of one per block: Textual's Markdown mounts a widget for every
+    paragraph, list item and fence, and at 2,000 tokens/s that mounting and the layout passes it
+    causes cost more than real time. Only the last segment is re-rendered while streaming, and
+    segments are cut small (ChatApp.write_reply), so an update never re-renders the whole reply.
+    """
+
+    def __init__(self, text: str = "") -> None:
+        super().__init__(classes="segment")
+        self.source = text
+
+    def on_mount(self) -> None:
+        self.render_source()
+
+    def append(self, text: str) -> None:
+        self.source += text
+        self.render_source()
+
+    def render_source(self) -> None:
+        from rich.markdown import Markdown as RichMarkdown
+
+        self.update(RichMarkdown(self.source, code_theme="monokai", hyperlinks=False))
+
+
+class AssistantTurn(Vertical):
+    """One reply, as one or more segments (see ChatApp.write_reply)."""
+
+    def __init__(self, text: str = "", model: str | None = None) -> None:
+        super().__init__(classes="turn assistant")
+        self.border_title = model or "assistant"
+        self._initial = text
+
+    def compose(self) -> ComposeResult:
+        yield ReplySegment(self._initial)
+
+    @property
+    def segments(self) -> list[ReplySegment]:
+        return [c for c in self.children if isinstance(c, ReplySegment)]
+
+    @property
+    def source(self) -> str:
+        return "".join(m.source for m in self.segments)
+
+
+class SystemLine(Static):
+    """Command output and notices inside the transcript (not sent to the model)."""
+
+    def __init__(self, text: str, kind: str = "info") -> None:
+        super().__init__(text, classes=f"turn system {kind}", markup=False)
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, ctrl+j / shift+enter inserts a newline, up/down recall history."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("ctrl+up", "recall(-1)", "Previous prompt", show=False),
+        Binding("ctrl+down", "recall(1)", "Next prompt", show=False),
+    ]
+
+    @dataclass
+    class Submitted(Message):
+        text: str
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)  # type: ignore[arg-type]
+        self.sent: list[str] = []
+        self._pos: int | None = None  # index into history while recalling, None when editing fresh text
+        self._draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.prevent_default()
+            event.stop()
+            text = self.text
+            if text.strip():
+                self.remember(text)
+                self.clear()
+                self.post_message(self.Submitted(text))
+            return
+        if event.key in ("shift+enter", "ctrl+j"):
+            event.prevent_default()
+            event.stop()
+            self.insert("\n")
+            return
+        # plain up/down recall only where they would not move the cursor anyway
+        recalled = self._pos is not None or not self.text
+        if event.key == "up" and recalled and self.cursor_location[0] == 0:
+            event.prevent_default()
+            event.stop()
+            self.action_recall(-1)
+            return
+        if event.key == "down" and recalled and self.cursor_location[0] == self.document.line_count - 1:
+            event.prevent_default()
+            event.stop()
+            self.action_recall(1)
+            return
+        await super()._on_key(event)
+
+    def remember(self, text: str) -> None:
+        if not self.sent or self.sent[-1] != text:
+            self.sent.append(text)
+        self._pos = None
+
+    def action_recall(self, step: int) -> None:
+        if not self.sent:
+            return
+        if self._pos is None:
+            if step > 0:
+                return
+            self._draft = self.text
+            pos = len(self.sent) - 1
+        else:
+            pos = self._pos + step
+        if pos >= len(self.sent):
+            self._pos = None
+            self.load_text(self._draft)
+        else:
+            self._pos = max(0, pos)
+            self.load_text(self.sent[self._pos])
+        self.move_cursor(self.document.end)
+
+
+def context_bar(used: int, limit: int | None, width: int = 10) -> str:
+    if not limit:
+        return f"ctx {used}"
+    fill = min(width, round(width * used / limit))
+    return f"ctx [{'█' * fill}{'░' * (width - fill)}] {used}/{limit}"
+
+
+class StatusBar(Static):
+    """Model, context fill, cache reuse, speed, draft acceptance, and the last context notice."""
+
+    def __init__(self) -> None:
+        super().__init__("", id="status", markup=False)
+        self.model: str | None = None
+        self.n_ctx: int | None = None
+        self.used = 0
+        self.stats = ""
+        self.notice = ""
+
+    def show_turn(self, usage: Usage | None, timings: Timings | None) -> None:
+        if usage is None or usage.total_tokens == 0:
+            return  # stopped before anything was read: keep the last turn's figures
+        self.used = usage.total_tokens
+        parts = []
+        if timings is not None:
+            parts.append(f"cached {timings.cached_tokens}")
+            parts.append(f"TTFT {timings.ttft_ms:.0f} ms")
+            parts.append(f"{timings.decode_per_s:.1f} tok/s")
+            if timings.draft_n > 0:
+                parts.append(f"draft {100 * timings.draft_accepted / timings.draft_n:.0f}%")
+        self.stats = " · ".join(parts)
+        self.redraw()
+
+    def redraw(self) -> None:
+        bits = [self.model or "no model", context_bar(self.used, self.n_ctx)]
+        if self.stats:
+            bits.append(self.stats)
+        line = " │ ".join(bits)
+        self.update(line + (f"\n⚠ {self.notice}" if self.notice else ""))
+        self.set_class(bool(self.notice), "has-notice")
+
+
+class ConversationItem(ListItem):
+    def __init__(self, conv: Conversation) -> None:
+        super().__init__(Label(conv.title, markup=False))
+        self.conv = conv
+
+
+class Sidebar(ListView):
+    """Saved conversations: enter resumes, r renames, d deletes, e exports to Markdown."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("r", "rename", "Rename"),
+        Binding("d,delete", "delete", "Delete"),
+        Binding("e", "export", "Export"),
+    ]
+
+    @dataclass
+    class Action(Message):
+        action: str
+        conv: Conversation
+
+    def set_conversations(self, convs: list[Conversation], current: int | None) -> None:
+        self.clear()
+        self.extend(ConversationItem(c) for c in convs)
+        index = next((i for i, c in enumerate(convs) if c.id == current), 0)
+        # the new items are mounted on the next refresh; the index can only point at them after that
+        self.call_after_refresh(setattr, self, "index", index if convs else None)
+
+    def _selected(self) -> Conversation | None:
+        item = self.highlighted_child
+        return item.conv if isinstance(item, ConversationItem) else None
+
+    def _post(self, action: str) -> None:
+        conv = self._selected()
+        if conv is not None:
+            self.post_message(self.Action(action, conv))
+
+    def action_rename(self) -> None:
+        self._post("rename")
+
+    def action_delete(self) -> None:
+        self._post("delete")
+
+    def action_export(self) -> None:
+        self._post("export")
