@@ -1,0 +1,218 @@
+"""Quantize / dequantize on a tiny F32 llama model written in the test (K-quant friendly shapes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from localllm.errors import InvalidInput, NotGGUF
+from localllm.gguf_meta import read_gguf
+from localllm.quantize import FTYPES, dequantize_to_f16, quantize, quantize_into_store
+from localllm.store import Store
+
+
+def write_tiny_llama(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 2, seed: int = 0) -> Path:
+    """A llama GGUF with F32 random weights; every row is a multiple of 256 so K-quants apply."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_rope_dimension_count(n_embd // 4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # ALL_F32
+    # SentencePiece-style vocab: <unk> <s> </s> + 256 byte tokens + a few words
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"\u2581w{i}" for i in range(61)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 3 + [-100.0] * 256 + [-1.0 - i for i in range(61)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 61)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def rand(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    rand("token_embd.weight", len(tokens), n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    rand("output.weight", len(tokens), n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            rand(f"blk.{i}.{n}.weight", n_embd, n_embd)
+        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf")
+
+
+def _load(path: Path) -> list[int]:
+    import llama_cpp
+
+    m = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)
+    return m.tokenize(b"hello")
+
+
+def test_ftype_table_matches_llama_cpp() -> None:
+    import llama_cpp
+
+    for name, value in FTYPES.items():
+        assert getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}") == value, name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "Q2_K"])
+def test_quantize_smaller_and_typed(tiny: Path, tmp_path: Path, qtype: str) -> None:
+    out = quantize(tiny, tmp_path / f"{qtype}.gguf", qtype)
+    assert out.stat().st_size < tiny.stat().st_size / 3
+    assert read_gguf(out).get("general.file_type") == FTYPES[qtype]
+    assert _load(out)[0] == 1  # loads, BOS first
+    assert [p.name for p in tmp_path.iterdir()] == [f"{qtype}.gguf"]  # no temp left
+
+
+def test_requantize_needs_flag(tiny: Path, tmp_path: Path) -> None:
+    q8 = quantize(tiny, tmp_path / "q8.gguf", "Q8_0")
+    with pytest.raises(InvalidInput, match="already quantized") as exc:
+        quantize(q8, tmp_path / "q4.gguf", "Q4_K_M")
+    assert "--allow-requantize" in exc.value.hint
+    assert not (tmp_path / "q4.gguf").exists()
+    out = quantize(q8, tmp_path / "q4.gguf", "Q4_K_M", allow_requantize=True)
+    assert read_gguf(out).get("general.file_type") == 15
+
+
+def test_unknown_type_and_imatrix(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="unknown quantization type") as exc:
+        quantize(tiny, tmp_path / "x.gguf", "Q7_K")
+    assert "Q4_K_M" in exc.value.hint
+    with pytest.raises(InvalidInput, match="importance matrix"):
+        quantize(tiny, tmp_path / "x.gguf", "IQ2_XXS")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["random", "truncated"])
+def test_corrupt_source_leaves_nothing(tiny: Path, tmp_path: Path, kind: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "src" / "bad.gguf"
+    bad.parent.mkdir()
+    data = os.urandom(4096) if kind == "random" else tiny.read_bytes()[: tiny.stat().st_size // 2]
+    bad.write_bytes(data)
+    out_dir = tmp_path / "out"
+    with pytest.raises(NotGGUF):
+        quantize(bad, out_dir / "q.gguf", "Q4_K_M")
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []
+    store = Store(tmp_path / "store")
+    with pytest.raises(NotGGUF):
+        quantize_into_store(bad, "Q4_K_M", name="bad:q4", store=store)
+    blobs = store.blobs
+    assert not blobs.exists() or list(blobs.iterdir()) == []
+    assert store.list() == []
+
+
+def test_llama_failure_leaves_nothing(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llama_cpp
+
+    from localllm.errors import LocalLLMError
+
+    monkeypatch.setattr(llama_cpp, "llama_model_quantize", lambda *a: 1)
+    with pytest.raises(LocalLLMError, match="could not quantize"):
+        quantize(tiny, tmp_path / "q.gguf", "Q4_K_M")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_space_checked(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from localllm.errors import DiskSpaceError
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    with pytest.raises(DiskSpaceError):
+        quantize(tiny, tmp_path / "q.gguf", "Q8_0")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_into_store_lineage(tiny: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    man = quantize_into_store(tiny, "Q4_K_M", name="tiny:q4", store=store)
+    assert man.lineage["type"] == "Q4_K_M"
+    assert man.lineage["tool"] == "llama.cpp via llama-cpp-python 0.3.36"
+    assert man.lineage["source_digest"].startswith("sha256:")
+    assert store.get("tiny:q4").digest == man.digest
+    # default name from a store source: <name>-<qtype lower>
+    man2 = quantize_into_store("tiny:q4", "Q8_0", store=store, allow_requantize=True)
+    assert man2.name == "tiny:q4-q8_0"
+    assert man2.lineage["source_digest"] == man.digest
+    assert [p for p in store.blobs.iterdir() if p.name.startswith(".")] == []
+
+
+def test_bad_name_refused_before_work(tiny: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    with pytest.raises(InvalidInput):
+        quantize_into_store(tiny, "Q8_0", name="../escape:x", store=store)
+    assert not store.blobs.exists() or list(store.blobs.iterdir()) == []
+
+
+def test_dequantize_roundtrip(tiny: Path, tmp_path: Path) -> None:
+    q4 = quantize(tiny, tmp_path / "q4.gguf", "Q4_K_M")
+    f16 = dequantize_to_f16(q4, tmp_path / "f16.gguf")
+    gf, src = read_gguf(f16), read_gguf(q4)
+    assert gf.get("general.file_type") == 1
+    assert gf.array_lengths["tokenizer.ggml.tokens"] == src.array_lengths["tokenizer.ggml.tokens"]
+    types = {t.name: t.type_name for t in gf.tensors}
+    assert types["output_norm.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"
+    assert _load(f16) == _load(q4)
+
+
+def test_cli_quantize_and_dequantize(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from localllm.cli import cli
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["quantize", str(tiny), "--to", "q4_k_m", "--name", "tiny:q4", "--json"])
+    assert res.exit_code == 0, res.output
+    man = json.loads(res.stdout[res.stdout.index("{"):])
+    assert man["name"] == "tiny:q4" and man["lineage"]["type"] == "Q4_K_M"
+    res = runner.invoke(cli, ["quantize", "tiny:q4", "--to", "Q8_0"])
+    assert res.exit_code != 0 and "already quantized" in str(res.exception)
+    res = runner.invoke(cli, ["dequantize", "tiny:q4", "--json"])
+    assert res.exit_code == 0, res.output
+    f16 = json.loads(res.stdout[res.stdout.index("{"):])
+    assert f16["name"] == "tiny:q4-f16" and f16["quant"] == "F16"
+
+
+def test_gemma_dequantize_generates_same_text(tmp_path: Path, gemma_file: Path) -> None:
+    GEMMA = gemma_file  # noqa: N806 - the assembled gemma-3-270m Q4_K_M (conftest)
+    import llama_cpp
+
+    f16 = dequantize_to_f16(GEMMA, tmp_path / "gemma-f16.gguf")  # ~20 s: the 262k-token vocab
+    assert read_gguf(f16).get("general.file_type") == 1
+    texts = []
+    for path in (GEMMA, f16):
+        m = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
+        out = m.create_completion("The capital of France is", max_tokens=8, temperature=0)
+        texts.append(out["choices"][0]["text"])
+        del m
+    assert "Paris" in texts[0] or "France" in texts[0]
+    assert texts[0].split()[:3] == texts[1].split()[:3]
