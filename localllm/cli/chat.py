@@ -59,6 +59,11 @@ def build_backend(model: str | None, ctx: int | None) -> tuple[Any, str | None]:
               help="Conversation database (default: chats.sqlite in the data folder).")
 def chat(model: str | None, ctx: int | None, db: Path | None) -> None:
     """Chat with a model in a terminal UI; conversations are saved. F1 inside lists the keys."""
+    open_chat(model, ctx, db)
+
+
+def open_chat(model: str | None, ctx: int | None, db: Path | None = None) -> None:
+    """Open the chat UI (also what `localllm run MODEL` does on a terminal without a prompt)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise click.UsageError("chat needs a terminal; use `localllm run MODEL PROMPT` for pipes")
     from localllm.tui.app import create_app

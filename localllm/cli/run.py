@@ -153,7 +153,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     Examples:
       localllm run gemma3:270m "Once upon a time"
       echo "Summarize: ..." | localllm run gemma3:270m
-      localllm run ./model.gguf          (interactive chat)
+      localllm run ./model.gguf          (terminal chat UI)
     """
     from localllm.runtime.engine import Engine
     from localllm.runtime.types import GenerationParams, Request
@@ -161,41 +161,22 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     path, template_name = resolve_model(model)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    if prompt is None:  # a terminal and no prompt: the chat UI
+        from localllm.cli.chat import open_chat
+
+        open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx)
+        return
     kwargs = _engine_kwargs(path, ctx, slots, threads, gpu_layers, kv_type)
     params = GenerationParams(temperature=temperature, seed=seed)
     chat = Chat(path, None if raw else template_name)
     if raw:
         chat.template = None
     with Engine(path, **kwargs) as engine:
-        if prompt is not None:
-            text, system = chat.render([{"role": "user", "content": prompt}])
-            n_keep = _n_keep(engine, text, system)
-            _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops, context_policy="shift",
-                                    n_keep=n_keep), verbose)
-            sys.stdout.write("\n")
-            return
-        click.echo(f"{path.name} — type a message; /bye or Ctrl-D to quit, /clear to forget the chat.", err=True)
-        messages: list[dict[str, Any]] = []
-        while True:
-            try:
-                line = input(">>> ")
-            except (EOFError, KeyboardInterrupt):
-                click.echo("", err=True)
-                return
-            if line.strip() in ("/bye", "/exit", "/quit"):
-                return
-            if line.strip() == "/clear":
-                messages = []
-                continue
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            text, system = chat.render(messages)
-            n_keep = _n_keep(engine, text, system)
-            answer = _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops,
-                                             context_policy="shift", n_keep=n_keep), verbose)
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": answer.strip()})
+        text, system = chat.render([{"role": "user", "content": prompt}])
+        n_keep = _n_keep(engine, text, system)
+        _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops, context_policy="shift",
+                                n_keep=n_keep), verbose)
+        sys.stdout.write("\n")
 
 
 @click.command()
