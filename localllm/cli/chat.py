@@ -10,12 +10,27 @@ from typing import Any
 import click
 
 
-def build_backend(model: str | None, ctx: int | None) -> tuple[Any, str | None]:
-    """(EngineBackend, model name) for a store name (pool-managed) or a .gguf path (one engine)."""
+def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True) -> tuple[Any, str | None]:
+    """(backend, model name): an HttpBackend when a localllm server answers at the configured address
+    (its models are warm and its prefix cache shared), else in-process: an EngineBackend over the pool
+    for a store name, or over one engine for a .gguf path (a file is always opened in-process)."""
+    is_file = bool(model and (model.endswith(".gguf") or Path(model).expanduser().is_file()))
+    if use_server and not is_file:
+        from localllm.client import find_server
+        from localllm.config import load_settings
+
+        settings = load_settings()
+        url = find_server(settings)
+        if url is not None:
+            from localllm.catalog import Catalog
+            from localllm.tui.http_backend import HttpBackend
+
+            return HttpBackend(url, settings.api_key, catalog=Catalog.load(), num_ctx=ctx), model
+
     from localllm.runtime.engine import Engine
     from localllm.tui.backend import EngineBackend
 
-    if model and (model.endswith(".gguf") or Path(model).expanduser().is_file()):
+    if model and is_file:
         from localllm.gguf_meta import model_info
 
         path = Path(model).expanduser()
@@ -57,16 +72,20 @@ def build_backend(model: str | None, ctx: int | None) -> tuple[Any, str | None]:
 @click.option("--ctx", type=int, default=None, help="Context size in tokens (default: fit to memory).")
 @click.option("--db", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Conversation database (default: chats.sqlite in the data folder).")
-def chat(model: str | None, ctx: int | None, db: Path | None) -> None:
-    """Chat with a model in a terminal UI; conversations are saved. F1 inside lists the keys."""
-    open_chat(model, ctx, db)
+@click.option("--no-server", is_flag=True, help="Run the model in this process even when `localllm serve` "
+              "is running at the configured address.")
+def chat(model: str | None, ctx: int | None, db: Path | None, no_server: bool) -> None:
+    """Chat with a model in a terminal UI; conversations are saved. F1 inside lists the keys.
+
+    Uses a running `localllm serve` (LOCALLLM_HOST) when there is one, else loads the model here."""
+    open_chat(model, ctx, db, use_server=not no_server)
 
 
-def open_chat(model: str | None, ctx: int | None, db: Path | None = None) -> None:
+def open_chat(model: str | None, ctx: int | None, db: Path | None = None, *, use_server: bool = True) -> None:
     """Open the chat UI (also what `localllm run MODEL` does on a terminal without a prompt)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise click.UsageError("chat needs a terminal; use `localllm run MODEL PROMPT` for pipes")
     from localllm.tui.app import create_app
 
-    backend, name = build_backend(model, ctx)
+    backend, name = build_backend(model, ctx, use_server=use_server)
     create_app(backend, model=name, db_path=db).run()
