@@ -20,7 +20,7 @@ def test_disconnect_cancels_generation(srv: Server) -> None:  # noqa: F811
     body = {"model": TINY, "messages": MSG, "max_tokens": 6000, "stream": True, "temperature": 0,
             "options": {"num_ctx": 8192}}
     httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})  # load at 8192
-    engine = next(iter(srv.pool._loaded.values())).engine
+    engine = srv.pool.engines()[0][1]
     before = engine.stats()["decoded_tokens"]
     with httpx.Client(timeout=30) as c, c.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -61,16 +61,38 @@ def test_sixteen_concurrent_streams(srv: Server) -> None:  # noqa: F811
     wait_idle(srv.pool)
 
 
-def test_full_queue_is_503_with_retry_after(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": ""})
-    engine = next(iter(srv.pool._loaded.values())).engine
-    real = engine.stats
-    monkeypatch.setattr(engine, "stats", lambda: {**real(), "waiting": 10 ** 6})
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": TINY, "messages": MSG, "max_tokens": 2})
-    assert r.status_code == 503 and r.headers["retry-after"]
-    assert r.json()["error"]["type"] == "server_error"
-    r = httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": "x"})
-    assert r.status_code == 503 and "busy" in r.json()["error"]
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One slot and room for one waiting request: the third concurrent request finds the queue full."""
+    info, server, thread = start_server(Path(tmp_path_factory.mktemp("narrow")), slots=1,
+                                        extra={"max_waiting": 1})
+    yield info
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_full_queue_is_503_with_retry_after(narrow: Server) -> None:
+    long = {"model": TINY, "prompt": "Tell me a story.", "stream": True,
+            "options": {"num_ctx": 8192, "num_predict": 6000, "temperature": 0}}
+    httpx.post(narrow.url + "/api/generate", json={**long, "stream": False, "options": {
+        **long["options"], "num_predict": 1}})  # load at 8192 first so the two streams share one engine
+    engine = narrow.pool.engines()[0][1]
+    with httpx.Client(timeout=60) as c, c.stream("POST", narrow.url + "/api/generate", json=long) as r1, \
+            c.stream("POST", narrow.url + "/api/generate", json=long) as r2:
+        assert r1.status_code == 200 and r2.status_code == 200  # one runs, one waits: both accepted
+        deadline = time.monotonic() + 10
+        while engine.stats()["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["waiting"] == 1
+        r = httpx.post(narrow.url + "/v1/chat/completions", json={"model": TINY, "messages": MSG, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "server_error"
+        r = httpx.post(narrow.url + "/api/generate", json={"model": TINY, "prompt": "x"})
+        assert r.status_code == 503 and "busy" in r.json()["error"]
+    wait_idle(narrow.pool)  # closing the streams cancelled both; the server serves again
+    r = httpx.post(narrow.url + "/api/generate", json={"model": TINY, "prompt": "x", "stream": False,
+                                                         "options": {"num_predict": 2, "num_ctx": 8192}})
+    assert r.status_code == 200
 
 
 def test_host_and_origin_rules(srv: Server) -> None:  # noqa: F811
@@ -141,7 +163,7 @@ class _BrokenStream:
 def test_mid_stream_failure_is_reported_in_band(srv: Server, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
                                                 raw: bool) -> None:
     httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": ""})
-    engine = next(iter(srv.pool._loaded.values())).engine
+    engine = srv.pool.engines()[0][1]
     monkeypatch.setattr(engine, "submit", lambda req: _BrokenStream(raw))
     r = httpx.post(srv.url + "/v1/chat/completions", json={"model": TINY, "messages": MSG, "stream": True})
     assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")

@@ -144,9 +144,11 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
 @click.option("--max-tokens", type=int, default=512, show_default=True)
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option("--verbose", "-v", is_flag=True, help="Print TTFT, prompt and decode speed, cached tokens.")
+@click.option("--no-server", is_flag=True,
+              help="Run in this process even when a `localllm serve` answers at the configured address.")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
-        verbose: bool) -> None:
+        verbose: bool, no_server: bool) -> None:
     """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
 
     \b
@@ -154,13 +156,19 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
       localllm run gemma3:270m "Once upon a time"
       echo "Summarize: ..." | localllm run gemma3:270m
       localllm run ./model.gguf          (terminal chat UI)
+
+    With a PROMPT, a `localllm serve` answering at the configured address (LOCALLLM_HOST) runs it, so
+    the model stays loaded between runs; --slots/--threads/--gpu-layers/--kv-type then are the server's.
     """
     from localllm.runtime.engine import Engine
     from localllm.runtime.types import GenerationParams, Request
 
-    path, template_name = resolve_model(model)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    if prompt is not None and not no_server and _try_server(model, prompt, ctx, temperature, seed, max_tokens,
+                                                            raw, verbose):
+        return
+    path, template_name = resolve_model(model)
     if prompt is None:  # a terminal and no prompt: the chat UI
         from localllm.cli.chat import open_chat
 
@@ -177,6 +185,33 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops, context_policy="shift",
                                 n_keep=n_keep), verbose)
         sys.stdout.write("\n")
+
+
+def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, seed: int | None,
+                max_tokens: int, raw: bool, verbose: bool) -> bool:
+    """Run on a server at the configured address when one answers; False means run in-process."""
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf" or p.is_file():  # a file path is not something a server can be asked for
+        return False
+    from localllm.cli import remote
+    from localllm.client import find_server
+    from localllm.config import load_settings
+
+    settings = load_settings()
+    url = find_server(settings)
+    if url is None:
+        return False
+    options: dict[str, Any] = {"temperature": temperature, "num_predict": max_tokens}
+    if seed is not None:
+        options["seed"] = seed
+    if ctx is not None:
+        options["num_ctx"] = ctx
+    try:
+        remote.run_remote(url, model, prompt, raw=raw, options=options, verbose=verbose, api_key=settings.api_key)
+    except remote.ServerMissingModel:  # not installed there: in-process auto-pulls catalog models as before
+        return False
+    sys.stdout.write("\n")
+    return True
 
 
 @click.command()

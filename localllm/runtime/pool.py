@@ -173,6 +173,21 @@ class ModelPool:
                      "busy": e.users > 0 or not e.engine.idle()}
                     for k, e in self._loaded.items()]
 
+    def engines(self) -> list[tuple[str, Any]]:
+        """(pool name, engine) for each loaded model, oldest load first; for /slots, /metrics and /props."""
+        with self._lock:
+            return [(k, e.engine) for k, e in self._loaded.items()]
+
+    def engine_for(self, name: str) -> Any | None:
+        """The loaded engine for `name` without loading or touching it, or None."""
+        with self._lock:
+            entry = self._loaded.get(name)
+            return entry.engine if entry is not None else None
+
+    def name_of(self, engine: Any) -> str | None:
+        """The pool name an engine from `get()`/`use()` is loaded under (None once unloaded)."""
+        return self._key_of(engine)
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:

@@ -148,7 +148,7 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
 
 
 def _pool_key(pool: Any, engine: Any) -> str | None:
-    finder = getattr(pool, "_key_of", None)
+    finder = getattr(pool, "name_of", None)
     return finder(engine) if finder else None
 
 

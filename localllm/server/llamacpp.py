@@ -304,7 +304,7 @@ def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
     pool = state.pool
     if pool is None:
         return []
-    loaded = {k: e.engine for k, e in getattr(pool, "_loaded", {}).items()}
+    loaded = dict(pool.engines())
     return [(m, loaded.get(m["name"])) for m in pool.loaded() if loaded.get(m["name"]) is not None]
 
 
