@@ -29,6 +29,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "quantize": ("localllm.cli.quantize", "quantize", "Quantize a model with llama.cpp (Q2_K … Q8_0) into the store."),
     "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),
     "doctor": ("localllm.cli.doctor", "doctor", "Check the llama.cpp build against this machine's GPUs."),
+    "eval": ("localllm.cli.eval", "eval_", "Measure model quality (eval ppl: perplexity over a text)."),
+    "bench-quants": ("localllm.cli.eval", "bench_quants",
+                     "Quantize a model to a ladder of types and measure size, perplexity, speed, RSS."),
 }
 
 

@@ -220,15 +220,27 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
 @click.option("--threads", type=int, help="CPU threads (default: all cores).")
 @click.option("--gen", type=int, default=128, show_default=True, help="Tokens generated per stream.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool) -> None:
-    """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL."""
+@click.option("--quants", is_flag=True, help="Instead: build a quant ladder from MODEL and measure each type.")
+@click.option("--types", help="With --quants: comma-separated types (default Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q3_K_M,Q2_K; the F16 source is the baseline).")
+def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool, quants: bool,
+          types: str | None) -> None:
+    """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
+
+    With --quants: size, bytes/weight, perplexity, prompt and decode tok/s and peak RSS per quant type.
+    """
     import json
 
+    if quants:
+        from localllm.bench_quants import BenchQuantsArgs, main
+
+        kw = {"types": [t.strip().upper() for t in types.split(",") if t.strip()]} if types else {}
+        main(BenchQuantsArgs(model=model, threads=threads, as_json=as_json, **kw))
+        return
     from localllm.bench import compare
 
     path, _ = resolve_model(model)
     if not as_json:
-        click.echo(f"benchmarking {path.name} (each side in its own process; takes about a minute)...", err=True)
+        click.echo(f"benchmarking {model} (each side in its own process; takes about a minute)...", err=True)
     res = compare(path, n_ctx=ctx, threads=threads, gen=gen)
     if as_json:
         click.echo(json.dumps(res, indent=2))

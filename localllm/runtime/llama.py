@@ -313,6 +313,13 @@ class Context:
             raise DecodeAborted("decode aborted")
         raise EngineError(f"llama_decode failed with code {rc}")
 
+    def logits_row(self, row: int) -> np.ndarray:
+        """A float32 view (no copy) of batch row `row`'s logits from the last decode; valid until the next one."""
+        ptr = lc.llama_get_logits_ith(self._p, row)
+        if not ptr:
+            raise EngineError(f"no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         lc.llama_set_n_threads(self._p, n_threads, n_threads_batch or n_threads)
 
