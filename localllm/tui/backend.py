@@ -85,6 +85,16 @@ def build_messages(messages: Sequence[dict[str, Any]], settings: ChatSettings) -
     return head + [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def catalog_rows(catalog: Any, installed: set[str]) -> list[CatalogRow]:
+    """The picker's catalog list, marking what is already installed (shared by both backends)."""
+    rows = []
+    for name in catalog.names():
+        entry = catalog.entry(name) or {}
+        rows.append(CatalogRow(name, str(entry.get("description", "")), name in installed,
+                               entry.get("context_length")))
+    return rows
+
+
 @dataclass
 class EngineBackend:
     """ChatBackend over the runtime.
@@ -125,15 +135,7 @@ class EngineBackend:
         return rows
 
     def catalog(self) -> list[CatalogRow]:
-        if self.catalog_ is None:
-            return []
-        installed = {m.name for m in self.models()}
-        out = []
-        for name in self.catalog_.names():
-            entry = self.catalog_.entry(name) or {}
-            out.append(CatalogRow(name, str(entry.get("description", "")), name in installed,
-                                  entry.get("context_length")))
-        return out
+        return catalog_rows(self.catalog_, {m.name for m in self.models()}) if self.catalog_ is not None else []
 
     def n_ctx(self, model: str) -> int | None:
         return self._ctx.get(model)

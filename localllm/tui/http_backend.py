@@ -27,7 +27,14 @@ from localllm.errors import (
     PullError,
 )
 from localllm.runtime.types import Chunk, Notice, Timings, Usage
-from localllm.tui.backend import CatalogRow, ChatSettings, ModelRow, PullProgress, build_messages
+from localllm.tui.backend import (
+    CatalogRow,
+    ChatSettings,
+    ModelRow,
+    PullProgress,
+    build_messages,
+    catalog_rows,
+)
 
 # reading a stream may wait for a model load or a long prefill: no read timeout, but connecting is quick
 STREAM_TIMEOUT = httpx.Timeout(10.0, read=None)
@@ -198,15 +205,7 @@ class HttpBackend:
         return None
 
     def catalog(self) -> list[CatalogRow]:
-        if self.catalog_ is None:
-            return []
-        installed = {m.name for m in self.models()}
-        out = []
-        for name in self.catalog_.names():
-            entry = self.catalog_.entry(name) or {}
-            out.append(CatalogRow(name, str(entry.get("description", "")), name in installed,
-                                  entry.get("context_length")))
-        return out
+        return catalog_rows(self.catalog_, {m.name for m in self.models()}) if self.catalog_ is not None else []
 
     def pull(self, name: str, progress: PullProgress) -> None:
         """/api/pull's NDJSON progress onto the picker's callbacks; an error line raises PullError."""
