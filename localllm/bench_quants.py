@@ -149,11 +149,9 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
             _log(f"dequantizing {src_name} to F16 …")
             dequantize_to_f16(src, base)
             base_type = "F16"
-        import llama_cpp._logger  # noqa: F401  (installs its log callback on import: import it first...)
-
         from localllm.runtime.llama import init_backend
 
-        # ...so this replaces it: a fallback warning per tensor is noise here (LOCALLLM_DEBUG=1 shows it)
+        # silences llama.cpp's log: a fallback warning per tensor is noise here (LOCALLLM_DEBUG=1 shows it)
         init_backend()
         n_weights = _n_weights(base)
         ladder: list[tuple[str, Path]] = [(base_type, base)]

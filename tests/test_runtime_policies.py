@@ -16,11 +16,6 @@ from localllm.runtime.types import GenerationParams, Request
 GREEDY = GenerationParams(temperature=0)
 
 
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-
-
 @pytest.fixture(scope="module")
 def small(tiny_path: Path):
     with Engine(tiny_path, n_ctx=256, slots=2, threads=2) as e:
