@@ -22,12 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localllm.errors import ContextOverflow, EngineError, InvalidInput, LocalLLMError
+from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime import context_shift
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
+from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, make_drafter, verify
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -47,7 +48,8 @@ class Engine:
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
                  n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
                  kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
-                 swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64) -> None:
+                 swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
+                 spec: SpecConfig | None = None, name: str = "") -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap)
@@ -67,7 +69,17 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._stop = False
         self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
-                          "parked": 0, "restored": 0, "copied_prefix": 0}
+                          "parked": 0, "restored": 0, "copied_prefix": 0, "drafted": 0, "draft_accepted": 0}
+        self.spec = spec or SpecConfig()
+        try:
+            self._drafter = make_drafter(self.spec, self.model, n_ctx=self.ctx.n_ctx, slots=slots, n_batch=n_batch,
+                                         threads=threads, target_name=name, draft_name=self.spec.draft_name)
+        except BaseException:
+            self._batch.close()
+            self.ctx.close()
+            self.model.close()
+            raise
+        self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
         self._thread.start()
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
@@ -95,7 +107,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
-        prompt, notices = self._fit(request, prompt)
+        prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx, self.tokenize)
         n_keep = request.n_keep
         if n_keep == 0 and prompt[0] == self.model.bos:
             n_keep = 1  # never shift the BOS token away
@@ -103,7 +115,7 @@ class Engine:
         chain = build_chain(self.model, request.params, grammar_for(request))
         state = StreamState()
         job = Job(request, prompt, state, chain, n_keep, notices=notices,
-                  stop=StopMatcher(request.stop) if request.stop else None)
+                  stop=StopMatcher(request.stop) if request.stop else None, spec=SpecState.for_request(self.spec, request) if self._drafter else None)
         job.timings.prompt_tokens = len(prompt)
         self._inbox.put(job)
         return Stream(state, request.id, self._wake)
@@ -119,6 +131,7 @@ class Engine:
             "waiting": len(self._waiting) + self._inbox.qsize(),
             "parked": len(self._parked), "parked_bytes": self._parked.used,
             "n_ctx": self.n_ctx, "n_batch": self.n_batch, **self._counters,
+            "speculative": self._drafter.name if self._drafter else None,
         }
 
     def reset_cache(self, timeout: float = 30.0) -> None:
@@ -130,6 +143,8 @@ class Engine:
                 if s.job is None:
                     self.ctx.seq_rm(s.id)
                     s.tokens = []
+                    if self._drafter is not None:
+                        self._drafter.forget(s.id)
             self._parked.clear()
             done.set()
 
@@ -147,6 +162,8 @@ class Engine:
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self._batch.close()
+        if self._drafter is not None:
+            self._drafter.close()
         self.ctx.close()
         self.model.close()
 
@@ -155,36 +172,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- submit-side planning --------------------------------------------------------------------
-    def _fit(self, req: Request, prompt: list[int]) -> tuple[list[int], list[Notice]]:
-        """Apply the context policy to a prompt that does not fit; says what it dropped."""
-        n_ctx = self.n_ctx
-        if req.context_policy == "truncate_history" and req.truncate is not None:
-            reserve = min(req.max_tokens or n_ctx // 4, n_ctx // 4)
-            if len(prompt) > n_ctx - reserve:
-                new = req.truncate(n_ctx - reserve)
-                if new is not None:
-                    new_t = (self.tokenize(new, add_special=req.add_special, parse_special=req.parse_special)
-                             if isinstance(new, str) else list(new))
-                    if new_t and len(new_t) < len(prompt):
-                        d = len(prompt) - len(new_t)
-                        msg = f"dropped the oldest turns ({d} tokens) to fit the {n_ctx}-token context"
-                        return self._fit_hard(req, new_t, [Notice("history_truncated", d, msg)])
-        return self._fit_hard(req, prompt, [])
-
-    def _fit_hard(self, req: Request, prompt: list[int], notices: list[Notice]) -> tuple[list[int], list[Notice]]:
-        n_ctx = self.n_ctx
-        if len(prompt) < n_ctx:
-            return prompt, notices
-        if req.context_policy == "error" or (req.context_policy == "truncate_history" and req.truncate):
-            raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}",
-                                  len(prompt), n_ctx, "shorten the prompt, raise --ctx, or use the 'shift' policy")
-        keep = context_shift.effective_keep(req.n_keep if req.n_keep else 1, len(prompt), n_ctx)
-        fit = context_shift.fit_prompt(prompt, n_ctx, keep, reserve=n_ctx // 4)
-        msg = f"prompt of {len(prompt)} tokens did not fit the {n_ctx}-token context: dropped {fit.n_dropped} " \
-              f"tokens after the first {keep}"
-        return fit.tokens, notices + [Notice("prompt_truncated", fit.n_dropped, msg)]
 
     def _wake(self) -> None:
         self._inbox.put(None)
@@ -356,24 +343,31 @@ class Engine:
         self.ctx.seq_add(s.id, k + d, -1, -d)
         s.tokens = s.tokens[:k] + s.tokens[k + d:]
         self._counters["shifts"] += 1
+        if self._drafter is not None:
+            self._drafter.shift(s.id, k, d)
         job.stream.put(Chunk(notice=Notice("context_shift", d, f"{why}: dropped {d} tokens after the first {k}")))
 
     def _decode_step(self) -> None:
+        if self._drafter is not None and not self._draft_pause:
+            collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx)
+        self._draft_pause = False
         batch = self._batch
         batch.clear()
-        rows: list[tuple[Slot, int]] = []
+        rows: list[tuple[Slot, list[int], list[int], int]] = []  # slot, logits rows, drafts, n_tokens before
         undo: list[tuple[Slot, int, list[int], list[int]]] = []  # slot, n_tokens before, next, pending
-        # one (or, with drafts, k) token for every generating slot: each row gets logits
+        # the next token of every generating slot, and its drafts: each row gets logits
         for s in self.slots:
             job = s.job
             if job is None or not job.next_tokens:
                 continue
-            undo.append((s, len(s.tokens), job.next_tokens, job.pending))
-            for tok in job.next_tokens:
-                row = batch.add(tok, len(s.tokens), s.id, True)
+            n0 = len(s.tokens)
+            undo.append((s, n0, job.next_tokens, job.pending))
+            slot_rows = []
+            for tok in job.next_tokens + job.drafts:
+                slot_rows.append(batch.add(tok, len(s.tokens), s.id, True))
                 s.tokens.append(tok)
-            rows.append((s, row))  # speculative verification would sample every drafted row here
-            job.next_tokens = []
+            rows.append((s, slot_rows, job.drafts, n0))
+            job.next_tokens, job.drafts = [], []
         # chunked prefill of pending prompts within what is left of n_batch
         for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
             job = s.job
@@ -388,7 +382,7 @@ class Engine:
             job.pending = job.pending[len(take):]
             self._counters["prefill_tokens"] += len(take)
             if last:
-                rows.append((s, row))
+                rows.append((s, [row], [], len(s.tokens) - 1))
         if batch.n_tokens == 0:
             return
         try:
@@ -399,14 +393,38 @@ class Engine:
                 self.ctx.seq_rm(s.id, n0, -1)
                 s.tokens = s.tokens[:n0]
                 s.job.next_tokens, s.job.pending = nxt, pend
-            self._free_kv()
+            if any(drafts for _, _, drafts, _ in rows):
+                self._draft_pause = True  # retry without drafts before taking room from anyone
+            else:
+                self._free_kv()
             return
         self._counters["steps"] += 1
-        for s, row in rows:
+        for s, slot_rows, drafts, n0 in rows:
+            job = s.job
             try:
-                self._on_token(s, s.job.chain.sample(self.ctx, row))
+                out = verify(lambda r, job=job: job.chain.sample(self.ctx, r), slot_rows, drafts)
+                if drafts:
+                    self._settle_drafts(s, n0, drafts, len(out) - 1)
+                for tok in out:
+                    self._on_token(s, tok)
+                    if s.job is not job:
+                        break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
+
+    def _settle_drafts(self, s: Slot, n0: int, drafts: list[int], n_acc: int) -> None:
+        """Count a verified step and drop the rejected drafts from the KV cache."""
+        job = s.job
+        keep = n0 + 1 + n_acc
+        if keep < len(s.tokens):
+            if not self.ctx.seq_rm(s.id, keep, -1):
+                raise EngineError("the KV cache refused to drop rejected draft tokens")
+            del s.tokens[keep:]
+        job.spec.update(len(drafts), n_acc)
+        job.timings.draft_n += len(drafts)
+        job.timings.draft_accepted += n_acc
+        self._counters["drafted"] += len(drafts)
+        self._counters["draft_accepted"] += n_acc
 
     def _free_kv(self) -> None:
         """KV cache full: drop idle histories first, else shift or stop the biggest request."""

@@ -89,6 +89,8 @@ class Model:
         self.bos: int = lc.llama_vocab_bos(self.vocab)
         self.eos: int = lc.llama_vocab_eos(self.vocab)
         self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self.add_eos: bool = bool(lc.llama_vocab_get_add_eos(self.vocab))
+        self.vocab_type: int = int(lc.llama_vocab_type(self.vocab))
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(self._p)
         self.n_layer: int = lc.llama_model_n_layer(self._p)
         self._pieces: dict[tuple[int, bool], bytes] = {}
@@ -123,6 +125,10 @@ class Model:
 
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         return b"".join(self.token_to_piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary's stored text of a token (for comparing vocabularies, not for output)."""
+        return lc.llama_vocab_get_text(self.vocab, token) or b""
 
     def is_eog(self, token: int) -> bool:
         v = self._eog.get(token)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from localllm.runtime.llama import SamplerChain
+from localllm.runtime.speculative import SpecState
 from localllm.runtime.types import Chunk, Notice, Request, Timings, Usage
 
 
@@ -77,7 +78,9 @@ class Job:
     t_admit: float = 0.0
     t_first: float = 0.0
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
-    next_tokens: list[int] = field(default_factory=list)  # sampled, to be decoded next step (k>1: drafts)
+    next_tokens: list[int] = field(default_factory=list)  # sampled, to be decoded next step
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after next_tokens, this step only
+    spec: SpecState | None = None  # draft length control; None when this request does not speculate
     out_tokens: list[int] = field(default_factory=list)
     cached: int = 0
     decoder: codecs.IncrementalDecoder = field(

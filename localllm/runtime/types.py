@@ -71,6 +71,10 @@ class Request:
     add_special: bool = True  # add BOS when tokenizing a text prompt
     parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
     ignore_eos: bool = False
+    # speculative decoding, when the engine has a drafter: None = the engine's default, draft_max 0 = off
+    draft_max: int | None = None
+    draft_min: int | None = None
+    draft_p_min: float | None = None
     # truncate_history hook: given the largest prompt (in tokens) that fits, return a shorter
     # prompt (text or tokens) — e.g. the chat re-rendered without its oldest turns — or None.
     truncate: Callable[[int], str | list[int] | None] | None = None
