@@ -76,6 +76,10 @@ class Source:
     module: str | None = None
     path: Path | None = None
     entry: dict[str, Any] = field(default_factory=dict)
+    # quantize on pull: "no"; "yes" = `quant` is not published, fetch the F16/BF16/F32 original
+    # (`repo` + `filename`, or found by listing `repo` when `filename` is None) and quantize it
+    # locally; "if-missing" = hf.co refs with an explicit quant: do that only when the repo lacks it
+    local_quant: str = "no"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -143,9 +147,10 @@ class Catalog:
                 repo = name[len(prefix):]
                 if repo.count("/") != 1:
                     raise InvalidModelName(f"{text!r} is not hf.co/<owner>/<repo>[:QUANT]")
-                q = (quant or (tag if tag != DEFAULT_TAG else self.defaults.get("default_quant", "Q4_K_M")))
-                q = q.upper()
-                return Source(kind="hf", name=f"hf.co/{repo}:{q}", quant=q, repo=repo)
+                explicit = quant or (tag if tag != DEFAULT_TAG else None)
+                q = (explicit or self.defaults.get("default_quant", "Q4_K_M")).upper()
+                local = "if-missing" if explicit and q in _local_types() else "no"
+                return Source(kind="hf", name=f"hf.co/{repo}:{q}", quant=q, repo=repo, local_quant=local)
         key = f"{lowered}:{tag}"
         entry = self.entry(key)
         if entry is None:
@@ -154,9 +159,9 @@ class Catalog:
             raise ModelNotFound(f"model {key!r} is not in the catalog", hint)
         q = (quant or entry.get("default_quant", "Q4_K_M")).upper()
         quants = [s.upper() for s in entry.get("quants", [])]
-        if quants and q not in quants:
-            raise InvalidInput(f"{entry['key']} has no {q} file", f"available: {', '.join(quants)}")
         store_name = entry["key"] if q == entry.get("default_quant", "Q4_K_M").upper() else f"{entry['key']}-{q.lower()}"
+        if quants and q not in quants:
+            return self._local_quant(entry, q, quants, store_name)
         if "pypi" in entry:
             return Source(kind="pypi", name=store_name, quant=q, pypi=entry["pypi"], module=entry.get("module"),
                           entry=entry)
@@ -164,3 +169,36 @@ class Catalog:
             raise InvalidInput(f"catalog entry {entry['key']} has neither `repo`+`file` nor `pypi`")
         return Source(kind="hf", name=store_name, quant=q, repo=entry["repo"],
                       filename=entry["file"].format(quant=q), entry=entry)
+
+    def _local_quant(self, entry: dict[str, Any], q: str, published: list[str], store_name: str) -> Source:
+        """`q` is not published for `entry`: a Source that fetches the unquantized original to quantize."""
+        key, local = entry["key"], _local_types()
+        made = f"made locally from the F16/BF16 original: {', '.join(local)}"
+        if q not in local:
+            if q not in KNOWN_QUANTS:
+                raise InvalidInput(f"unknown quantization type {q!r}",
+                                   f"published for {key}: {', '.join(published)}; {made}")
+            raise InvalidInput(f"{key} has no {q} file, and localllm cannot make {q} itself",
+                               f"published: {', '.join(published)}; {made}")
+        # where the original is: `unquantized_repo`/`unquantized_file`, else the entry's repo, where a
+        # published F16/BF16 comes first, else the repo is listed at pull time
+        repo = entry.get("unquantized_repo") or entry.get("repo")
+        filename = entry.get("unquantized_file")
+        if not filename and "repo" in entry and "file" in entry and not entry.get("unquantized_repo"):
+            for original in ("F16", "BF16", "F32"):
+                if original in published:
+                    filename = entry["file"].format(quant=original)
+                    break
+        if not repo:
+            raise InvalidInput(f"{key} is published only as {', '.join(published)}, and no F16/BF16 source is "
+                                f"known for it, so {q} cannot be made locally",
+                                f"pull {published[0] if published else 'the published quant'} instead, or add "
+                                f"`unquantized_repo`/`unquantized_file` for {key} in your models.toml")
+        return Source(kind="hf", name=store_name, quant=q, repo=repo, filename=filename, entry=entry,
+                      local_quant="yes")
+
+
+def _local_types() -> tuple[str, ...]:
+    from localllm.quantize import LOCAL_TYPES  # the table lives with the quantizer (no llama_cpp import)
+
+    return LOCAL_TYPES

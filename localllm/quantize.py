@@ -38,6 +38,8 @@ BPW: dict[str, float] = {
 }
 # general.file_type values that count as "not yet quantized"
 UNQUANTIZED = {0: "F32", 1: "F16", 32: "BF16"}
+# what `localllm pull --quant` may make locally from an F16/BF16/F32 original
+LOCAL_TYPES = tuple(n for n in FTYPES if n not in NEEDS_IMATRIX and n != "F16")
 
 Progress = Callable[[str, float], None]  # (phase, elapsed seconds)
 
@@ -246,9 +248,16 @@ def _default_name(source_name: str, suffix: str) -> str:
 
 def quantize_into_store(source: str | Path, qtype: str, *, name: str | None = None, store: Any = None,
                         allow_requantize: bool = False, imatrix: Path | None = None,
-                        threads: int | None = None, progress: Progress | None = None) -> Any:
-    """Quantize a store model or .gguf path and register the result; returns its Manifest."""
-    return _into_store(source, qtype, name=name, store=store, progress=progress,
+                        threads: int | None = None, progress: Progress | None = None,
+                        origin: dict[str, str] | None = None, source_name: str | None = None,
+                        source_digest: str | None = None) -> Any:
+    """Quantize a store model or .gguf path and register the result; returns its Manifest.
+
+    `origin` replaces the manifest's `source` record, `source_name`/`source_digest` the lineage's
+    (pull --quant quantizes a downloaded file that is not in the store, whose sha256 it already knows).
+    """
+    return _into_store(source, qtype, name=name, store=store, progress=progress, origin=origin,
+                       source_name=source_name, source_digest=source_digest,
                        check=lambda src, label: validate(src, qtype, allow_requantize=allow_requantize,
                                                          imatrix=imatrix, label=label),
                        run=lambda src, dst: quantize(src, dst, qtype, allow_requantize=allow_requantize,
@@ -265,16 +274,20 @@ def dequantize_into_store(source: str | Path, *, name: str | None = None, store:
 
 def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any, progress: Progress | None,
                 run: Callable[[Path, Path], Path], tool: str = TOOL,
-                check: Callable[[Path, str], Any] = lambda src, label: read_gguf(src)) -> Any:
+                check: Callable[[Path, str], Any] = lambda src, label: read_gguf(src),
+                origin: dict[str, str] | None = None, source_name: str | None = None,
+                source_digest: str | None = None) -> Any:
     from localllm.store import Manifest, Store, sha256_file
 
     store = store or Store()
     src, src_name, store_name = _resolve_source(source, store)
+    src_name = source_name or src_name
     from localllm.catalog import normalize
 
     target = normalize(name or _default_name(src_name, qtype.lower()))  # a bad name fails before the work
     check(src, src_name)  # bad file, type or flags fail here: before hashing the source or creating anything
-    source_digest = f"sha256:{src.name.removeprefix('sha256-')}" if store_name else f"sha256:{sha256_file(src)}"
+    if source_digest is None:
+        source_digest = f"sha256:{src.name.removeprefix('sha256-')}" if store_name else f"sha256:{sha256_file(src)}"
     store.blobs.mkdir(parents=True, exist_ok=True)
     # the temp output lives in the blobs folder so commit_blob is a rename, and is removed on failure
     fd, tmp = tempfile.mkstemp(dir=store.blobs, prefix=".quantize-", suffix=".gguf")
@@ -286,7 +299,7 @@ def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any,
     finally:
         out.unlink(missing_ok=True)
     man = Manifest(name=target, digest=digest, size=size, quant=qtype.upper(),
-                   source={"kind": "quantize", "from": store_name or str(src)},
+                   source=origin or {"kind": "quantize", "from": store_name or str(src)},
                    lineage={"source_digest": source_digest, "source_name": src_name,
                             "type": qtype.upper(), "tool": tool})
     store.write_manifest(man)

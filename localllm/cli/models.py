@@ -47,7 +47,8 @@ class RichPullProgress:
 
 @click.command()
 @click.argument("model")
-@click.option("--quant", "-q", help="Quantization to fetch, e.g. Q5_K_M (default: the catalog's, Q4_K_M).")
+@click.option("--quant", "-q", help="Quantization, e.g. Q5_K_M (default: the catalog's, Q4_K_M). One that is "
+              "not published is made locally from the F16/BF16 original (which is not kept).")
 @click.option("--name", help="Store the model under this name:tag (imports and hf.co refs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the resulting manifest as JSON.")
 def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None:
@@ -61,6 +62,7 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
     Examples:
       localllm pull gemma3:270m
       localllm pull qwen2.5-coder:1.5b --quant Q8_0
+      localllm pull hf.co/owner/Some-F16-GGUF --quant Q5_K_M   (quantized here)
       localllm pull hf.co/bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M
       localllm pull ./my-model.gguf --name mine:latest
     """
@@ -82,6 +84,9 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
         return
     if result.already_present:
         click.echo(f"{man.name} is already up to date ({human_bytes(man.size)}).")
+    elif man.source.get("quantized"):
+        click.echo(f"pulled {man.name}: {man.quant}, {human_bytes(man.size)}, quantized locally from "
+                   f"{man.source.get('filename')} in {time.monotonic() - started:.1f}s ({man.digest[:19]})")
     else:
         click.echo(f"pulled {man.name}: {human_bytes(man.size)} in {time.monotonic() - started:.1f}s "
                    f"({man.digest[:19]})")
