@@ -74,6 +74,11 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024
     prefix_cache_bytes: int = 512 * 1024 * 1024
+    # speculative decoding: a draft model name ("auto" = the catalog's pairing when it is installed),
+    # and/or prompt lookup; draft_max = most tokens drafted per step
+    draft: str | None = None
+    lookup: bool = False
+    draft_max: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,6 +86,12 @@ def _coerce(value: str, kind: Any) -> Any:
     text = value.strip()
     if kind in ("int", "int | None"):
         return int(text)
+    if kind == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(text)
     if kind in ("tuple[str, ...]",):
         return tuple(p.strip() for p in text.split(",") if p.strip())
     return text

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 
-def _settings(host: str | None, port: int | None) -> Any:
+def _settings(host: str | None, port: int | None, **more: Any) -> Any:
     import dataclasses
 
     from localllm.config import load_settings
@@ -22,6 +22,7 @@ def _settings(host: str | None, port: int | None) -> Any:
         changes["host"] = host
     if port:
         changes["port"] = port
+    changes.update({k: v for k, v in more.items() if v is not None})
     return dataclasses.replace(s, **changes) if changes else s
 
 
@@ -30,7 +31,12 @@ def _settings(host: str | None, port: int | None) -> Any:
 @click.option("--port", type=int, help="Port (default 11434, or the port in LOCALLLM_HOST).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
-def serve(host: str | None, port: int | None, log_level: str) -> None:
+@click.option("--draft", help="Speculative decoding with a draft model: an installed name, or 'auto' for the "
+              "catalog's pairing when it is installed (LOCALLLM_DRAFT).")
+@click.option("--lookup/--no-lookup", default=None, help="Speculative decoding by prompt lookup (LOCALLLM_LOOKUP).")
+@click.option("--draft-max", type=int, help="Most tokens drafted per step (default 16).")
+def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
+          draft_max: int | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -38,12 +44,13 @@ def serve(host: str | None, port: int | None, log_level: str) -> None:
       localllm serve
       LOCALLLM_HOST=127.0.0.1:8080 localllm serve
       localllm serve --port 8012        (point llama.vim's g:llama_config.endpoint here)
+      localllm serve --lookup --draft auto
     """
     import uvicorn
 
     from localllm.server.app import create_app
 
-    settings = _settings(host, port)
+    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
                     fg="yellow", err=True)

@@ -5,7 +5,8 @@ construction happen in the caller's thread, so bad requests raise at once (Inval
 ContextOverflow). The scheduler thread owns the context; each step it admits waiting requests
 into free slots (longest shared prefix first), builds one batch — the next token of every
 generating slot plus chunked prefill within n_batch — decodes once, samples each slot from its
-own batch row and emits chunks.
+own batch row and emits chunks. A speculating slot adds its drafts to the same batch; the
+target's own sampler verifies them (runtime/speculative.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, make_drafter, verify
+from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, make_drafter, settle_drafts, verify
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -404,27 +405,13 @@ class Engine:
             try:
                 out = verify(lambda r, job=job: job.chain.sample(self.ctx, r), slot_rows, drafts)
                 if drafts:
-                    self._settle_drafts(s, n0, drafts, len(out) - 1)
+                    settle_drafts(self.ctx, s, n0, drafts, len(out) - 1, self._counters)
                 for tok in out:
                     self._on_token(s, tok)
                     if s.job is not job:
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
-
-    def _settle_drafts(self, s: Slot, n0: int, drafts: list[int], n_acc: int) -> None:
-        """Count a verified step and drop the rejected drafts from the KV cache."""
-        job = s.job
-        keep = n0 + 1 + n_acc
-        if keep < len(s.tokens):
-            if not self.ctx.seq_rm(s.id, keep, -1):
-                raise EngineError("the KV cache refused to drop rejected draft tokens")
-            del s.tokens[keep:]
-        job.spec.update(len(drafts), n_acc)
-        job.timings.draft_n += len(drafts)
-        job.timings.draft_accepted += n_acc
-        self._counters["drafted"] += len(drafts)
-        self._counters["draft_accepted"] += n_acc
 
     def _free_kv(self) -> None:
         """KV cache full: drop idle histories first, else shift or stop the biggest request."""

@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError
+from localllm.errors import EngineError, InvalidInput, LocalLLMError, ModelLoadError
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
-from localllm.runtime.prefix_cache import best_prefix, common_prefix
+from localllm.runtime.prefix_cache import common_prefix
 from localllm.runtime.types import Request
 
 if TYPE_CHECKING:
     from localllm.runtime.slots import Slot
 
 __all__ = ["ChainDrafter", "DraftModel", "DraftTask", "Drafter", "PromptLookup", "SpecConfig", "SpecState",
-           "check_vocab", "collect_drafts", "make_drafter", "verify"]
+           "check_vocab", "collect_drafts", "make_drafter", "settle_drafts", "verify"]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SpecConfig:
 
     draft_model: str | Path | None = None
     lookup: bool = False
-    draft_max: int = 8  # most tokens drafted per step
+    draft_max: int = 16  # most tokens drafted per step (llama-server's default)
     draft_min: int = 1  # fewer drafted than this: do not speculate this step
     p_min: float = 0.75  # the draft model stops when its own top probability drops below this
     draft_gpu_layers: int = 0
@@ -179,6 +179,21 @@ def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int
         job.drafts = t.tokens[:t.n_max] if len(t.tokens) >= max(1, job.spec.n_min) else []
 
 
+def settle_drafts(ctx: Context, s: Slot, n0: int, drafts: list[int], n_acc: int, counters: dict[str, int]) -> None:
+    """After verification: drop the rejected drafts from the target's KV cache, count the step."""
+    job = s.job
+    keep = n0 + 1 + n_acc
+    if keep < len(s.tokens):
+        if not ctx.seq_rm(s.id, keep, -1):
+            raise EngineError("the KV cache refused to drop rejected draft tokens")
+        del s.tokens[keep:]
+    job.spec.update(len(drafts), n_acc)
+    job.timings.draft_n += len(drafts)
+    job.timings.draft_accepted += n_acc
+    counters["drafted"] += len(drafts)
+    counters["draft_accepted"] += n_acc
+
+
 def check_vocab(target: Model, draft: Model, target_name: str = "", draft_name: str = "") -> None:
     """Refuse a draft model whose vocabulary differs from the target's (drafts would be garbage ids)."""
     tn, dn = target_name or target.path.name, draft_name or draft.path.name
@@ -277,6 +292,7 @@ class DraftModel:
             raise
         self.batch = Batch(n_batch, 1)
         self.n_batch = n_batch
+        self.n_vocab = target.n_vocab  # a padded draft vocabulary may propose ids the target lacks
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
 
     def draft(self, tasks: list[DraftTask]) -> None:
@@ -294,12 +310,15 @@ class DraftModel:
         b = self.batch
         b.clear()
         last: dict[int, int] = {}
+        in_kv = [len(t) for t in self.tokens]  # decoded cells per slot (tokens queued in `b` are not yet)
         for t in tasks:
             h, s = t.history, t.slot
             n = common_prefix(self.tokens[s], h)
-            others = {i: toks for i, toks in enumerate(self.tokens) if i != s}
-            src, n_src = best_prefix(others, h)
-            if src is not None and n_src > n + 16:  # a longer prefix in another slot: share its cells
+            src, n_src = None, n + 16  # a longer prefix decoded in another slot: share its cells instead
+            for i, toks in enumerate(self.tokens):
+                if i != s and in_kv[i] > n_src and (m := min(common_prefix(toks, h), in_kv[i])) > n_src:
+                    src, n_src = i, m
+            if src is not None:
                 self.ctx.seq_rm(s)
                 self.ctx.seq_cp(src, s, 0, n_src)
                 self.tokens[s] = self.tokens[src][:n_src]
@@ -310,6 +329,7 @@ class DraftModel:
                     self.ctx.seq_rm(s)
                     n = 0
                 del self.tokens[s][n:]
+            in_kv[s] = n
             take = h[n:][: b.free]
             for i, tok in enumerate(take):
                 row = b.add(tok, n + i, s, n + i == len(h) - 1)
@@ -317,12 +337,7 @@ class DraftModel:
             if take and len(self.tokens[s]) == len(h):
                 last[s] = row
         if b.n_tokens:
-            try:
-                self.ctx.decode(b)
-            except NoKVSlot:
-                for t in tasks:  # undo this batch, then let draft() start over
-                    self.ctx.seq_rm(t.slot)
-                raise
+            self.ctx.decode(b)
         return [(t, last[t.slot]) for t in tasks if t.slot in last]
 
     def _extend(self, ready: list[tuple[DraftTask, int]]) -> None:
@@ -330,7 +345,7 @@ class DraftModel:
         active = []
         for t, row in ready:
             tok, p = _top(self.ctx.logits_row(row))
-            if p >= t.p_min:  # the draft is unsure: drafting would likely be wasted verification
+            if p >= t.p_min and tok < self.n_vocab:  # unsure: drafting would likely be wasted verification
                 t.tokens = [tok]
                 if len(t.tokens) < t.n_max:
                     active.append(t)
@@ -346,7 +361,7 @@ class DraftModel:
             still = []
             for t in active:
                 tok, p = _top(self.ctx.logits_row(rows[t.slot]))
-                if p < t.p_min:
+                if p < t.p_min or tok >= self.n_vocab:
                     continue
                 t.tokens.append(tok)
                 if len(t.tokens) < t.n_max:
@@ -422,7 +437,7 @@ def make_drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_ba
                                        target_name=target_name, draft_name=draft_name))
         except LocalLLMError:
             raise
-        except Exception as exc:  # noqa: BLE001 - llama.cpp failures surface as assorted errors
+        except Exception as exc:  # llama.cpp failures surface as assorted errors
             raise ModelLoadError(f"could not load the draft model: {exc}") from exc
     return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters)
 
