@@ -120,20 +120,25 @@ def run_pair(path: str, n_ctx: int, threads: int, gen: int, streams: list[int], 
     """Single-stream decode, both sides in one process, alternating: shared-machine noise hits both alike."""
     from localllm.runtime.baseline import LlamaBaseline
     from localllm.runtime.engine import Engine
+    from localllm.runtime.speculative import SpecConfig
     from localllm.runtime.types import GenerationParams, Request
 
     b = LlamaBaseline(path, n_ctx=n_ctx, threads=threads)
     eng = Engine(path, n_ctx=n_ctx, slots=max(streams), threads=threads, state_cache_bytes=0)
+    # the same engine with prompt lookup drafting (same output distribution; `--lookup`)
+    look = Engine(path, n_ctx=n_ctx, slots=1, threads=threads, state_cache_bytes=0, spec=SpecConfig(lookup=True))
     g = GenerationParams(temperature=0)
-    e_runs, b_runs = [], []
+    e_runs, b_runs, l_runs = [], [], []
     for i in range(rounds):
         prompt = STORY[i % len(STORY)]
         b_runs.append(b.run(prompt, gen)["decode_tps"])
         e_runs.append(eng.generate(Request(prompt, g, max_tokens=gen)).timings.decode_per_s)
+        l_runs.append(look.generate(Request(prompt, g, max_tokens=gen)).timings.decode_per_s)
     eng.close()
+    look.close()
     # best run per side: noise from other work on the machine only ever slows a run down
-    return {"engine_single_tps": max(e_runs), "llama_single_tps": max(b_runs),
-            "engine_runs": e_runs, "llama_runs": b_runs}
+    return {"engine_single_tps": max(e_runs), "llama_single_tps": max(b_runs), "lookup_single_tps": max(l_runs),
+            "engine_runs": e_runs, "llama_runs": b_runs, "lookup_runs": l_runs}
 
 
 def run_side(side: str, path: str, *, n_ctx: int, threads: int, gen: int, streams: list[int]) -> dict[str, Any]:
@@ -155,13 +160,16 @@ def compare(path: str | Path, *, n_ctx: int = 4096, threads: int | None = None, 
     pair = run_side("pair", str(path), **args)
     # the headline single-stream numbers come from the interleaved run (same process, same moments)
     engine["single_decode_tps"], llama["single_decode_tps"] = pair["engine_single_tps"], pair["llama_single_tps"]
+    engine["single_decode_lookup_tps"] = pair["lookup_single_tps"]
     return {"model": str(path), "settings": args, "localllm": engine, "llama_cpp_Llama": llama,
-            "single_stream_runs": {"localllm": pair["engine_runs"], "llama_cpp_Llama": pair["llama_runs"]},
+            "single_stream_runs": {"localllm": pair["engine_runs"], "llama_cpp_Llama": pair["llama_runs"],
+                                   "localllm_lookup": pair["lookup_runs"]},
             "ratios": ratios(engine, llama, streams)}
 
 
 def ratios(e: dict[str, Any], b: dict[str, Any], streams: tuple[int, ...] | list[int]) -> dict[str, float]:
     r = {"single_decode_vs_Llama": e["single_decode_tps"] / b["single_decode_tps"],
+         "single_decode_lookup_vs_Llama": e.get("single_decode_lookup_tps", 0.0) / b["single_decode_tps"],
          "warm_over_cold_ttft": e["ttft_warm_s"] / e["ttft_cold_s"]}
     if 8 in streams:
         r["aggregate8_over_single"] = e["aggregate_tps_8"] / e["single_decode_tps"]

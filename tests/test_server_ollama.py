@@ -165,3 +165,29 @@ def test_chat_tool_calls(client: ollama.Client) -> None:
         last = list(r)[-1] if stream else r  # type: ignore[call-overload]
         calls = last.message.tool_calls
         assert calls and calls[0].function.name == "get_weather" and calls[0].function.arguments == {"city": "Paris"}
+
+
+def test_final_line_carries_cache_count_and_notices(srv: Server) -> None:  # noqa: F811
+    """Extra fields on the done line (read by tui/http_backend.py): prompt_cache_count, notice, notices."""
+    from localllm.tui.http_backend import timings_from
+
+    wait_idle(srv.pool)
+    body = {"model": TINY, "prompt": "word " * 3000, "raw": True, "options": {"num_predict": 2}}
+    for stream in (True, False):
+        with httpx.stream("POST", srv.url + "/api/generate", json={**body, "stream": stream}, timeout=30) as r:
+            lines = [json.loads(x) for x in r.iter_lines() if x.strip()]
+        last = lines[-1]
+        assert last["done"] and isinstance(last["prompt_cache_count"], int)
+        assert last["notice"]["kind"] in ("prompt_truncated", "context_shift") and last["notice"]["n_dropped"] > 0
+        assert last["notices"][-1] == last["notice"] and last["notice"]["message"]
+        assert all("notice" not in x for x in lines[:-1])  # said once: the TUI shows each line's notice
+    chat = {"model": TINY, "messages": [{"role": "system", "content": "You are terse. " * 40},
+                                        {"role": "user", "content": "hi"}], "options": OPTS, "stream": True}
+    finals = []
+    for _ in range(2):
+        with httpx.stream("POST", srv.url + "/api/chat", json=chat, timeout=30) as r:
+            finals.append([json.loads(x) for x in r.iter_lines() if x.strip()][-1])
+        wait_idle(srv.pool)
+    assert "notice" not in finals[0] and finals[1]["prompt_cache_count"] > 0  # the second turn reused the prompt
+    usage, timings = timings_from(finals[1])
+    assert usage.cached_tokens == timings.cached_tokens == finals[1]["prompt_cache_count"]

@@ -125,6 +125,9 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
                 click.echo(f"\n\nTTFT {t.ttft_ms:.0f} ms | prompt {t.prompt_tokens} tok "
                            f"({t.cached_tokens} cached), {t.prompt_per_s:.1f} tok/s | decode {t.n_decoded} tok, "
                            f"{t.decode_per_s:.1f} tok/s | finish: {chunk.finish_reason}", err=True)
+                if t.draft_n:
+                    click.echo(f"draft: {t.draft_accepted}/{t.draft_n} accepted "
+                               f"({100 * t.draft_accepted / t.draft_n:.0f}%)", err=True)
     except KeyboardInterrupt:
         stream.cancel()
         click.echo("", err=True)
@@ -146,9 +149,12 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
 @click.option("--verbose", "-v", is_flag=True, help="Print TTFT, prompt and decode speed, cached tokens.")
 @click.option("--no-server", is_flag=True,
               help="Run in this process even when a `localllm serve` answers at the configured address.")
+@click.option("--draft", help="Speculative decoding with this draft model (same tokenizer); runs in-process.")
+@click.option("--lookup", is_flag=True, help="Speculative decoding by prompt lookup; runs in-process.")
+@click.option("--draft-max", type=int, default=16, show_default=True, help="Most tokens drafted per step.")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
-        verbose: bool, no_server: bool) -> None:
+        verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int) -> None:
     """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
 
     \b
@@ -159,12 +165,14 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
 
     With a PROMPT, a `localllm serve` answering at the configured address (LOCALLLM_HOST) runs it, so
     the model stays loaded between runs; --slots/--threads/--gpu-layers/--kv-type then are the server's.
+    --draft and --lookup (speculative decoding) run in this process.
     """
     from localllm.runtime.engine import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    no_server = no_server or bool(draft) or lookup
     if prompt is not None and not no_server and _try_server(model, prompt, ctx, temperature, seed, max_tokens,
                                                             raw, verbose):
         return
@@ -175,6 +183,12 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx)
         return
     kwargs = _engine_kwargs(path, ctx, slots, threads, gpu_layers, kv_type)
+    if draft or lookup:
+        from localllm.runtime.speculative import SpecConfig
+
+        kwargs["spec"] = SpecConfig(draft_model=resolve_model(draft)[0] if draft else None, draft_name=draft or "",
+                                    lookup=lookup, draft_max=draft_max)
+        kwargs["name"] = model
     params = GenerationParams(temperature=temperature, seed=seed)
     chat = Chat(path, None if raw else template_name)
     if raw:
@@ -222,14 +236,62 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--quants", is_flag=True, help="Instead: build a quant ladder from MODEL and measure each type.")
 @click.option("--types", help="With --quants: comma-separated types (default Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q3_K_M,Q2_K; the F16 source is the baseline).")
+@click.option("--http", is_flag=True, help="Instead: load over HTTP against `localllm serve` (and llama_cpp.server).")
+@click.option("--clients", default="1,4,8,16", show_default=True, help="With --http: concurrent client counts.")
+@click.option("--vs-llama-cpp-server/--no-vs-llama-cpp-server", default=True, show_default=True,
+              help="With --http: also load llama-cpp-python's own server (if installed).")
+@click.option("--spec", is_flag=True, help="Instead: decode speed with and without speculative decoding "
+              "(prompt lookup, and a draft model with --draft).")
+@click.option("--draft", help="With --spec: a draft model (same tokenizer as MODEL).")
+@click.option("--draft-max", type=int, default=16, show_default=True, help="With --spec: most tokens drafted per step.")
+@click.option("--soak", type=float, metavar="SECONDS", help="Instead: the largest --clients count for SECONDS "
+              "over HTTP; reports requests, errors and server RSS.")
 def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool, quants: bool,
-          types: str | None) -> None:
+          types: str | None, http: bool, clients: str, vs_llama_cpp_server: bool, soak: float | None, spec: bool,
+          draft: str | None, draft_max: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
     With --quants: size, bytes/weight, perplexity, prompt and decode tok/s and peak RSS per quant type.
+    With --http: streaming HTTP load against `localllm serve` vs the in-process engine and llama_cpp.server.
+    With --spec: decode tok/s with no drafting, prompt lookup and a draft model; acceptance; verification cost.
     """
     import json
 
+    if spec:
+        from localllm import bench_spec
+
+        path, _ = resolve_model(model)
+        dpath = resolve_model(draft)[0] if draft else None
+        click.echo(f"benchmarking speculative decoding on {model} (a few minutes)...", err=True)
+        res = bench_spec.run(path, draft=dpath, threads=threads or 2, gen=gen if gen != 128 else 256,
+                             draft_max=draft_max, model_name=model, draft_name=draft or "",
+                             log=lambda m: click.echo(m, err=True))
+        if as_json:
+            click.echo(json.dumps(res, indent=2))
+        else:
+            bench_spec.print_table(res)
+        return
+
+    if http or soak:
+        from localllm import bench_http
+
+        if resolve_model(model)[0] == Path(model).expanduser():  # also pulls a catalog model not installed yet
+            raise InvalidInput("--http needs an installed model name (the server serves the store), not a file")
+        try:
+            counts = sorted({int(c) for c in clients.split(",") if c.strip()})
+        except ValueError:
+            raise click.BadParameter("a comma-separated list of numbers, e.g. 1,4,8,16", param_hint="--clients") from None
+        say = lambda m: click.echo(m, err=True)  # progress on stderr, results on stdout
+        if soak:
+            res = bench_http.soak(model, seconds=soak, clients=max(counts), threads=threads or 2, ctx=ctx, log=say)
+        else:
+            res = bench_http.run(model, clients=counts, gen=gen, threads=threads or 2, ctx=ctx,
+                                 vs_llama_cpp_server=vs_llama_cpp_server, log=say)
+        if as_json:
+            click.echo(json.dumps(res, indent=2))
+        else:
+            (bench_http.print_soak if soak else bench_http.print_table)(res)
+        return
     if quants:
         from localllm.bench_quants import BenchQuantsArgs, main
 
@@ -265,6 +327,10 @@ def print_table(res: dict[str, Any]) -> None:
         t.add_row(label, format(e[key], fmt), format(b[key], fmt), f"{ratio:.2f}×")
 
     row("single-stream decode tok/s (best of 3, interleaved)", "single_decode_tps", ".1f")
+    if "single_decode_lookup_tps" in e:  # same Llama class figure: it has no drafting of its own here
+        t.add_row("  … with prompt lookup (--lookup)", format(e["single_decode_lookup_tps"], ".1f"),
+                  format(b["single_decode_tps"], ".1f"),
+                  f"{e['single_decode_lookup_tps'] / b['single_decode_tps']:.2f}×" if b["single_decode_tps"] else "–")
     for k in res["settings"]["streams"]:
         row(f"aggregate tok/s, {k} streams (best of 2)", f"aggregate_tps_{k}", ".1f")
     row(f"TTFT cold, {e['prefix_tokens']}-token prompt (s)", "ttft_cold_s", ".3f")

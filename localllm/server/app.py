@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,7 +40,32 @@ class JSONBodies:
         await self.app(scope, receive, send)
 
 
-def default_pool(settings: Settings, composer: Any) -> Any:
+class LoadTracker:
+    """How many engines the pool is building right now: /health answers 503 "loading model" meanwhile,
+    like llama-server. Kept here (wrapping the pool's engine factory) so the runtime needs no flag."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    @property
+    def loading(self) -> bool:
+        return self._n > 0
+
+    def wrap(self, factory: Callable[..., Any]) -> Callable[..., Any]:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._n += 1
+            try:
+                return factory(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._n -= 1
+
+        return build
+
+
+def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = None) -> Any:
     """The pool the CLI's server uses: real engines, a memory budget of most of the RAM."""
     from localllm.runtime.engine import Engine
     from localllm.runtime.pool import ModelPool, parse_keep_alive
@@ -51,7 +76,8 @@ def default_pool(settings: Settings, composer: Any) -> Any:
         budget: int | None = int(ram()[0] * 0.8)
     except Exception:  # noqa: BLE001 - no budget rather than no server
         budget = None
-    return ModelPool(composer.resolve, engine_factory=Engine, memory_budget=budget,
+    factory = loads.wrap(Engine) if loads is not None else Engine
+    return ModelPool(composer.resolve, engine_factory=factory, memory_budget=budget,
                      default_keep_alive=parse_keep_alive(settings.keep_alive))
 
 
@@ -90,7 +116,8 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     app.state.info_cache = {}
     app.state.composer = Composer(settings, app.state.store, app.state.catalog, app.state.info_cache)
     app.state.owns_pool = pool is None
-    app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer)
+    app.state.loads = LoadTracker()  # sees the loads of the default pool (a caller's pool loads unseen)
+    app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)
     app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
     app.state.embed_lock = threading.Lock()
 

@@ -71,6 +71,29 @@ def max_tokens_from(value: Any, engine: Any, name: str = "max_tokens") -> int:
     return min(value, MAX_TOKENS_PER_CTX * int(engine.n_ctx))
 
 
+# speculative decoding per request: Ollama-style option name, llama-server's flat `speculative.*` keys
+DRAFT_KEYS = {"draft_num_predict": "draft_max", "speculative.n_max": "draft_max",
+              "speculative.n_min": "draft_min", "speculative.p_min": "draft_p_min"}
+
+
+def draft_options(values: dict[str, Any]) -> dict[str, Any]:
+    """Request kwargs (draft_max, draft_min, draft_p_min) from a body or Ollama `options`; checked here."""
+    out: dict[str, Any] = {}
+    for key, kwarg in DRAFT_KEYS.items():
+        v = values.get(key)
+        if v is None:
+            continue
+        if kwarg == "draft_p_min":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise InvalidInput(f"{key} must be a number from 0 to 1, got {v!r}")
+            out[kwarg] = float(v)
+        elif isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
+            raise InvalidInput(f"{key} must be an integer from 0 to 64, got {v!r}")
+        else:
+            out[kwarg] = v
+    return out
+
+
 def context_policy(value: Any, default: str) -> str:
     if value is None:
         return default

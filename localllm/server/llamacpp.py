@@ -135,7 +135,7 @@ def _build(body: CompletionBody, prompt: str | list[int], engine: Any, policy: s
     return GenRequest(prompt, gen.params_from(values), max_tokens=gen.max_tokens_from(n_predict, engine, "n_predict"),
                       stop=gen.stop_list(body.stop), json_schema=body.json_schema, grammar=body.grammar,
                       context_policy=gen.context_policy(body.context_policy, policy),  # type: ignore[arg-type]
-                      n_keep=body.n_keep, ignore_eos=body.ignore_eos)
+                      n_keep=body.n_keep, ignore_eos=body.ignore_eos, **gen.draft_options(body.model_extra or {}))
 
 
 def _timings(t: Any) -> dict[str, Any]:
@@ -295,8 +295,12 @@ class _released:
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> Response:
+    """llama-server's shape: 503 {"status": "loading model"} while the pool loads a model, else 200 ok."""
+    loads = getattr(request.app.state, "loads", None)
+    if loads is not None and loads.loading:
+        return JSONResponse({"status": "loading model"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:

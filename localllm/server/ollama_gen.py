@@ -90,7 +90,8 @@ def _request(opts: dict[str, Any], prompt: str, engine: Any, *, stops: list[str]
     return GenRequest(prompt, gen.params_from(opts), max_tokens=gen.max_tokens_from(opts.get("num_predict"), engine,
                       "options.num_predict"), stop=gen.stop_list(opts.get("stop")) + stops,
                       json_schema=gen.json_format(fmt), context_policy=gen.context_policy(  # type: ignore[arg-type]
-                          opts.get("context_policy"), "shift"), n_keep=n_keep, truncate=truncate)
+                          opts.get("context_policy"), "shift"), n_keep=n_keep, truncate=truncate,
+                      **gen.draft_options(opts))
 
 
 def _stats(res: gen.Collected, t0: float, load_ms: float) -> dict[str, Any]:
@@ -98,7 +99,19 @@ def _stats(res: gen.Collected, t0: float, load_ms: float) -> dict[str, Any]:
     return {"done_reason": gen.finish_reason(res.finish_reason), "total_duration": int((time.perf_counter() - t0) * 1e9),
             "load_duration": int(load_ms * 1e6), "prompt_eval_count": res.usage.prompt_tokens,
             "prompt_eval_duration": int((t.queue_ms + t.prompt_ms) * 1e6), "eval_count": res.usage.completion_tokens,
-            "eval_duration": int(t.decode_ms * 1e6)}
+            "eval_duration": int(t.decode_ms * 1e6), **_extras(res)}
+
+
+def _extras(res: gen.Collected) -> dict[str, Any]:
+    """Not Ollama's fields; clients that know them (tui/http_backend.py) read them, others ignore them:
+    prompt tokens reused from the KV cache, and what the engine did to the context (last notice + all)."""
+    out: dict[str, Any] = {"prompt_cache_count": res.usage.cached_tokens}
+    if res.timings.draft_n:  # speculative decoding: llama-server's names
+        out["draft_n"], out["draft_n_accepted"] = res.timings.draft_n, res.timings.draft_accepted
+    if res.notices:
+        notices = [{"kind": n.kind, "n_dropped": n.n_dropped, "message": n.message} for n in res.notices]
+        out["notice"], out["notices"] = notices[-1], notices
+    return out
 
 
 async def _load_or_unload(state: Any, body: _GenCommon, chat: bool) -> Response:

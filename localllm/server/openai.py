@@ -130,7 +130,8 @@ def _chat_request(state: Any, body: ChatCompletionRequest, lease: gen.Lease) -> 
     return GenRequest(text, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(limit, lease.engine),
                       stop=gen.stop_list(body.stop) + fmt.stops, json_schema=gen.json_format(body.response_format),
                       context_policy=gen.context_policy(body.context_policy, "shift"),  # type: ignore[arg-type]
-                      n_keep=n_keep, truncate=fmt.truncator(messages, lease.engine, **extra))
+                      n_keep=n_keep, truncate=fmt.truncator(messages, lease.engine, **extra),
+                      **gen.draft_options(body.model_extra or {}))
 
 
 def _completion_request(state: Any, body: CompletionRequest, lease: gen.Lease) -> GenRequest:
@@ -145,7 +146,8 @@ def _completion_request(state: Any, body: CompletionRequest, lease: gen.Lease) -
         prompt = fim_prompt(prompt, body.suffix, tokens=fmt.fim)
     return GenRequest(prompt, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(body.max_tokens,
                       lease.engine), stop=gen.stop_list(body.stop), json_schema=gen.json_format(body.response_format),
-                      context_policy=gen.context_policy(body.context_policy, "error"))  # type: ignore[arg-type]
+                      context_policy=gen.context_policy(body.context_policy, "error"),  # type: ignore[arg-type]
+                      **gen.draft_options(body.model_extra or {}))
 
 
 def _usage(u: Any) -> dict[str, Any]:

@@ -1,0 +1,47 @@
+"""/health follows llama-server: 503 {"status": "loading model"} while the pool loads a model, else 200."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_server_harness import TINY, start_server
+
+
+def test_health_says_loading_while_the_pool_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import localllm.runtime.engine as engine_mod
+
+    real, gate, entered = engine_mod.Engine, threading.Event(), threading.Event()
+
+    def slow_engine(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "Engine", slow_engine)  # default_pool imports it when the app is built
+    info, server, thread = start_server(tmp_path)
+    try:
+        assert httpx.get(info.url + "/health").json() == {"status": "ok"}  # nothing loaded, nothing loading
+        box: dict[str, Any] = {}
+        body = {"model": TINY, "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+        req = threading.Thread(target=lambda: box.update(r=httpx.post(info.url + "/api/generate", json=body,
+                                                                      timeout=60)))
+        req.start()
+        assert entered.wait(20)
+        r = httpx.get(info.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading model"}
+        gate.set()
+        req.join(60)
+        assert box["r"].status_code == 200
+        deadline = time.monotonic() + 5
+        while (r := httpx.get(info.url + "/health")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=20)
