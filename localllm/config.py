@@ -79,6 +79,7 @@ class Settings:
     draft: str | None = None
     lookup: bool = False
     draft_max: int = 16
+    draft_adaptive: bool = True  # False: always draft draft_max (llama-server's behaviour)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

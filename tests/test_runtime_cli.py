@@ -44,3 +44,16 @@ def test_run_bad_input_is_a_clean_error(tiny: Path, tmp_path: Path) -> None:
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
     res = localllm("run", str(bad), "hi")
     assert res.returncode == 1 and "Traceback" not in res.stderr
+
+
+def test_run_with_drafting_prints_acceptance_and_the_same_text(tiny: Path, tmp_path: Path) -> None:
+    args = ["run", str(tiny), "hello world foo bar hello world foo bar", "--max-tokens", "40", "--temperature", "0",
+            "--raw", "--ctx", "512"]
+    plain = localllm(*args)
+    drafted = localllm(*args, "--lookup", "--draft", str(tiny), "--verbose")
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert "draft:" in drafted.stderr and "accepted" in drafted.stderr
+    other = make_tiny_gguf(tmp_path / "other.gguf", n_vocab=300)
+    bad = localllm(*args, "--draft", str(other))
+    assert bad.returncode == 1 and "cannot draft for" in bad.stderr and "Traceback" not in bad.stderr

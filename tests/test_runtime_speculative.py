@@ -14,7 +14,7 @@ from tinymodel import make_tiny_gguf
 from localllm.errors import InvalidInput
 from localllm.runtime.engine import Engine
 from localllm.runtime.llama import Batch, Context, Model
-from localllm.runtime.speculative import PromptLookup, SpecConfig, SpecState, verify
+from localllm.runtime.speculative import PromptLookup, SpecConfig, SpecState, StepCost, plan_length, verify
 from localllm.runtime.types import GenerationParams, Request
 
 GREEDY = GenerationParams(temperature=0)
@@ -64,20 +64,31 @@ def test_verify_accepts_while_the_target_agrees() -> None:
     assert verify(target.__getitem__, [0], []) == [5]
 
 
-def test_draft_length_adapts_and_stops_when_acceptance_stays_low() -> None:
-    st = SpecState(n_max=8, n_min=1, p_min=0.5)
-    assert st.want(100) == 4
-    st.update(4, 4)
-    assert st.want(100) == 6
-    st.update(6, 6)
-    st.update(8, 8)
-    assert st.want(100) == 8 and st.want(3) == 3
-    st.update(8, 2)
-    assert st.want(100) == 7
-    for _ in range(SpecState.MIN_STEPS):
-        st.update(st.want(100), 0)
-    assert st.off and st.want(100) == 0
-    assert SpecState(n_max=8, n_min=3, p_min=0.5).want(2) == 0  # fewer than draft_min: don't speculate
+def test_draft_length_follows_acceptance_and_measured_cost() -> None:
+    free, linear, cpu = StepCost(), StepCost(), StepCost()
+    for n in [*range(1, 40), *range(1, 40)]:  # the first sample of each size is a warm-up: ignored
+        free.observe(n, 10.0)  # extra rows cost nothing (a GPU)
+        linear.observe(n, 10.0 * n)  # every row costs a whole step: drafting can never pay
+        cpu.observe(n, 10.0 * (1 + 0.25 * (n - 1)))
+    good, bad = SpecState(16, 1, 0.5), SpecState(16, 1, 0.5)
+    for _ in range(30):
+        good.update(8, 8)
+        bad.update(4, 0)
+    assert good.alpha > 0.95 and bad.alpha < 0.2
+    assert plan_length(good, free, 1, 1.0, 64) == 16  # capped by draft_max
+    assert plan_length(good, free, 1, 1.0, 5) == 5  # ... and by the room left (context, max_tokens, batch)
+    assert plan_length(good, linear, 1, 1.0, 64) == 0
+    assert 4 <= plan_length(good, cpu, 1, 1.0, 64) <= 16
+    assert plan_length(bad, cpu, 1, 1.0, 64) == 0  # low acceptance: stop speculating
+    fresh = SpecState(16, 1, 0.5)
+    assert plan_length(fresh, StepCost(), 1, 1.0, 64) > 0  # nothing measured yet: the prior lets it try
+    assert plan_length(SpecState(16, 6, 0.5), cpu, 1, 1.0, 5) == 0  # fewer than draft_min fit: don't
+    assert plan_length(SpecState(16, 1, 0.5, adaptive=False), linear, 1, 1.0, 64) == 16  # fixed: always draft_max
+    # unmeasured sizes are interpolated between measured ones
+    c = StepCost()
+    for n, ms in [(1, 99.0), (5, 99.0), (1, 10.0), (5, 30.0)]:
+        c.observe(n, ms)
+    assert c.t(3) == 20.0 and c.t(7) == 40.0
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
@@ -109,10 +120,11 @@ def test_incompatible_draft_is_refused_naming_both_models(tiny_path: Path, tmp_p
 # ---- greedy: drafted output is the plain output --------------------------------------------------
 @pytest.mark.parametrize("kind", ["lookup", "perfect", "random", "lookup+perfect"])
 def test_greedy_drafted_output_equals_plain(kind: str, tiny_path: Path, random_draft: Path) -> None:
-    spec = {"lookup": SpecConfig(lookup=True),
-            "perfect": SpecConfig(draft_model=tiny_path, p_min=0.0),  # the target drafts for itself
-            "random": SpecConfig(draft_model=random_draft, p_min=0.0),
-            "lookup+perfect": SpecConfig(lookup=True, draft_model=tiny_path)}[kind]
+    fixed = {"adaptive": False}  # draft every step whatever this machine's decode costs are
+    spec = {"lookup": SpecConfig(lookup=True, **fixed),
+            "perfect": SpecConfig(draft_model=tiny_path, p_min=0.0, **fixed),  # the target drafts for itself
+            "random": SpecConfig(draft_model=random_draft, p_min=0.0, **fixed),
+            "lookup+perfect": SpecConfig(lookup=True, draft_model=tiny_path, **fixed)}[kind]
     plain, _ = generate(tiny_path, None, PROMPTS)
     drafted, st = generate(tiny_path, spec, PROMPTS)
     for p, a, b in zip(PROMPTS, plain, drafted, strict=True):
@@ -122,12 +134,13 @@ def test_greedy_drafted_output_equals_plain(kind: str, tiny_path: Path, random_d
     if kind == "perfect":
         assert rate > 0.95 and st["steps"] < 400 / 3  # several tokens per target step
     if kind == "random":
-        assert rate < 0.2  # and drafting switched itself off instead of wasting every step
-        assert st["drafted"] < 4 * SpecState.MIN_STEPS * 8
+        assert rate < 0.2
+        _, adaptive = generate(tiny_path, SpecConfig(draft_model=random_draft, p_min=0.0), PROMPTS)
+        assert adaptive["drafted"] < st["drafted"] / 4  # adaptive drafting gives up on a useless draft
 
 
 def test_timings_report_drafted_and_accepted(tiny_path: Path) -> None:
-    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, spec=SpecConfig(draft_model=tiny_path, p_min=0)) as e:
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, spec=SpecConfig(draft_model=tiny_path, p_min=0, adaptive=False)) as e:
         r = e.generate(Request("hello world", params=GREEDY, max_tokens=40))
         off = e.generate(Request("hello world", params=GREEDY, max_tokens=40, draft_max=0))
     assert r.timings.draft_n > 0 and 0 < r.timings.draft_accepted <= r.timings.draft_n
@@ -171,7 +184,7 @@ def test_sampled_continuations_follow_the_target_distribution(kind: str, tiny_pa
             return [s.result().tokens for s in streams]
 
     plain = sample(None, 0)
-    drafted = sample(SpecConfig(draft_model=draft, p_min=0.0, draft_max=3), 100_000)  # other seeds: independent
+    drafted = sample(SpecConfig(draft_model=draft, p_min=0.0, draft_max=3, adaptive=False), 100_000)  # other seeds: independent
     for pos in (1, 2, 3):  # token 0 comes from prefill; later ones from verified steps
         stat, df = _chi2_two_sample(Counter(t[pos] for t in plain), Counter(t[pos] for t in drafted))
         assert df >= 2
@@ -198,7 +211,7 @@ def _assert_mirrors(e: Engine) -> None:
 def test_cancellations_while_speculating_leave_both_caches_consistent(tiny_path: Path) -> None:
     rng = random.Random(3)
     with Engine(tiny_path, n_ctx=2048, slots=4, threads=2,
-                spec=SpecConfig(lookup=True, draft_model=tiny_path, p_min=0.0)) as e:
+                spec=SpecConfig(lookup=True, draft_model=tiny_path, p_min=0.0, adaptive=False)) as e:
         streams = [e.submit(Request(rng.choice(PROMPTS), params=GREEDY, max_tokens=rng.randint(5, 120)))
                    for _ in range(30)]
         for s in streams:
@@ -217,7 +230,7 @@ def test_context_shift_while_speculating(tiny_path: Path) -> None:
     with Engine(tiny_path, n_ctx=256, slots=1, threads=2) as e:
         plain = e.generate(Request("the model json stop token", **req))
     with Engine(tiny_path, n_ctx=256, slots=1, threads=2,
-                spec=SpecConfig(draft_model=tiny_path, p_min=0.0)) as e:
+                spec=SpecConfig(draft_model=tiny_path, p_min=0.0, adaptive=False)) as e:
         drafted = e.generate(Request("the model json stop token", **req))
         assert e.stats()["shifts"] >= 3 and e.stats()["draft_accepted"] > 100
         _assert_mirrors(e)

@@ -29,7 +29,8 @@ from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, make_drafter, settle_drafts, verify
+from localllm.runtime.speculative import (SpecConfig, SpecState, StepCost, collect_drafts, make_drafter, settle_drafts,
+                                          verify)
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -81,6 +82,7 @@ class Engine:
             self.model.close()
             raise
         self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
+        self._cost = StepCost()  # measured decode ms by batch rows: how long drafts may be
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
         self._thread.start()
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
@@ -350,7 +352,7 @@ class Engine:
 
     def _decode_step(self) -> None:
         if self._drafter is not None and not self._draft_pause:
-            collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx)
+            collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx, self._cost)
         self._draft_pause = False
         batch = self._batch
         batch.clear()
@@ -369,6 +371,7 @@ class Engine:
                 s.tokens.append(tok)
             rows.append((s, slot_rows, job.drafts, n0))
             job.next_tokens, job.drafts = [], []
+        n_gen = batch.n_tokens
         # chunked prefill of pending prompts within what is left of n_batch
         for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
             job = s.job
@@ -386,8 +389,11 @@ class Engine:
                 rows.append((s, [row], [], len(s.tokens) - 1))
         if batch.n_tokens == 0:
             return
+        t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)
+            if self._drafter is not None and n_gen == batch.n_tokens:  # rows with logits only: a cost sample
+                self._cost.observe(n_gen, (time.perf_counter() - t0) * 1000)
         except NoKVSlot:
             self._counters["kv_full"] += 1
             for s, n0, nxt, pend in undo:  # roll back: the batch never happened

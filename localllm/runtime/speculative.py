@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from localllm.runtime.slots import Slot
 
 __all__ = ["ChainDrafter", "DraftModel", "DraftTask", "Drafter", "PromptLookup", "SpecConfig", "SpecState",
-           "check_vocab", "collect_drafts", "make_drafter", "settle_drafts", "verify"]
+           "StepCost", "check_vocab", "collect_drafts", "make_drafter", "plan_length", "settle_drafts", "verify"]
 
 
 @dataclass
@@ -49,6 +49,8 @@ class SpecConfig:
     draft_name: str = ""  # for messages: the draft's model name
     ngram_min: int = 2
     ngram_max: int = 4
+    # choose each step's draft length from acceptance and measured decode cost; False: always draft_max
+    adaptive: bool = True
 
     def problems(self) -> list[str]:
         out = []
@@ -109,69 +111,111 @@ def verify(sample: Callable[[int], int], rows: list[int], drafts: list[int]) -> 
 
 @dataclass
 class SpecState:
-    """Per-request draft length control: grow while drafts are all accepted, shrink on a miss,
-    stop speculating when acceptance stays low."""
+    """Per-request drafting statistics: the chance that a drafted token is accepted, from decayed counts
+    of accepted drafts and of misses (a 6:1 prior, so a request starts by trying)."""
 
     n_max: int
     n_min: int
     p_min: float
-    k: int = 0
-    steps: int = 0
+    adaptive: bool = True
+    acc: float = 6.0
+    miss: float = 1.0
     drafted: int = 0
     accepted: int = 0
-    rate: float = 1.0  # moving average of accepted/drafted per step
-    off: bool = False
-
-    LOW_RATE = 0.2  # below this after MIN_STEPS drafted steps: drafting costs more than it saves
-    MIN_STEPS = 8
-
-    def __post_init__(self) -> None:
-        self.k = self.k or max(1, min(self.n_max, 4))
 
     @classmethod
     def for_request(cls, cfg: SpecConfig, req: Request) -> SpecState | None:
         """The request's own draft settings over the engine's defaults; None when it turns drafting off."""
         st = cls(cfg.draft_max if req.draft_max is None else req.draft_max,
                  cfg.draft_min if req.draft_min is None else req.draft_min,
-                 cfg.p_min if req.draft_p_min is None else req.draft_p_min)
+                 cfg.p_min if req.draft_p_min is None else req.draft_p_min, cfg.adaptive)
         bad = SpecConfig(draft_max=st.n_max, draft_min=st.n_min, p_min=st.p_min).problems()
         if bad:
             raise InvalidInput("; ".join(bad))
         return st if st.n_max > 0 else None
 
-    def want(self, limit: int) -> int:
-        """Tokens to draft this step (0: do not speculate), within `limit` (context, max_tokens, batch)."""
-        if self.off or self.n_max <= 0:
-            return 0
-        n = min(self.k, self.n_max, limit)
-        return n if n >= max(1, self.n_min) else 0
+    @property
+    def alpha(self) -> float:
+        return self.acc / (self.acc + self.miss)
+
+    def expected(self, k: int) -> float:
+        """Tokens one verified step yields with k drafts: 1 + α + α² + … + α^k."""
+        a = self.alpha
+        return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def update(self, n_draft: int, n_acc: int) -> None:
         if n_draft <= 0:
             return
-        self.steps += 1
         self.drafted += n_draft
         self.accepted += n_acc
-        self.rate = 0.7 * self.rate + 0.3 * (n_acc / n_draft)
-        self.k = min(self.n_max, self.k + 2) if n_acc == n_draft else max(1, self.k - 1, n_acc)
-        if self.steps >= self.MIN_STEPS and self.rate < self.LOW_RATE:
-            self.off = True
+        self.acc = 0.95 * self.acc + n_acc  # decayed: a request that stops quoting stops drafting soon
+        self.miss = 0.95 * self.miss + (n_acc < n_draft)
 
 
-def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int) -> None:
+class StepCost:
+    """Measured target decode time by batch rows (all with logits): what k more rows cost here.
+
+    On CPUs a row costs nearly as much as a whole single-row step for small models (the output layer
+    dominates); on GPUs extra rows are almost free. Until a size is measured it is interpolated, or
+    extrapolated with PRIOR_SLOPE single-row steps per extra row."""
+
+    PRIOR_SLOPE = 0.5
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}
+        self._seen: set[int] = set()
+
+    def observe(self, n_rows: int, ms: float) -> None:
+        if n_rows not in self._seen:  # the first decode of a batch shape also (re)builds its graph
+            self._seen.add(n_rows)
+            return
+        old = self.ms.get(n_rows)
+        self.ms[n_rows] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def t(self, n: int) -> float:
+        if n in self.ms:
+            return self.ms[n]
+        unit = self.ms.get(1) or (min(self.ms.values()) if self.ms else 10.0)
+        lo = max((k for k in self.ms if k < n), default=None)
+        hi = min((k for k in self.ms if k > n), default=None)
+        if lo is not None and hi is not None:
+            return self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (n - lo) / (hi - lo)
+        if lo is not None:
+            return self.ms[lo] + self.PRIOR_SLOPE * unit * (n - lo)
+        return unit * (1 + self.PRIOR_SLOPE * (n - 1))
+
+
+def plan_length(st: SpecState, cost: StepCost, rows: int, gain: float, limit: int) -> int:
+    """Drafts for one slot that maximize expected tokens per ms of this step (0: do not draft).
+
+    rows/gain: batch rows and expected tokens of the step so far (other slots included)."""
+    if not st.adaptive:
+        k = min(limit, st.n_max)
+        return k if k >= max(1, st.n_min) else 0
+    best_k, best = 0, gain / cost.t(rows)
+    for k in range(max(1, st.n_min), min(limit, st.n_max) + 1):
+        v = (gain - 1.0 + st.expected(k)) / cost.t(rows + k)
+        if v > best:
+            best_k, best = k, v
+    return best_k
+
+
+def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int, cost: StepCost) -> None:
     """Set `job.drafts` of every speculating generating slot, within the batch and context room."""
     gen = [s for s in slots if s.job is not None and s.job.next_tokens]
-    room = n_batch - len(gen)  # batch rows left after one token per generating slot
+    rows, gain = len(gen), float(len(gen))
     tasks = []
     for s in gen:
         job = s.job
-        if job.spec is None or room <= 0:
+        if job.spec is None:
             continue
         left = (job.request.max_tokens or 1 << 30) - len(job.out_tokens) - 1
-        n = job.spec.want(min(left, n_ctx - len(s.tokens) - len(job.next_tokens), room))
+        n = plan_length(job.spec, cost, rows, gain,
+                        min(left, n_ctx - len(s.tokens) - len(job.next_tokens), n_batch - rows))
         if n > 0:
             tasks.append(DraftTask(s.id, s.tokens + job.next_tokens, n, job.spec.p_min))
-            room -= n
+            rows += n
+            gain += job.spec.expected(n) - 1.0
     if tasks:
         drafter.draft(tasks)
     for t in tasks:

@@ -143,7 +143,8 @@ class Composer:
                 path, draft = self.store.blob_path(dman.digest), dman.name
         if path is None and not s.lookup:
             return None
-        return SpecConfig(draft_model=path, draft_name=draft or "", lookup=bool(s.lookup), draft_max=s.draft_max)
+        return SpecConfig(draft_model=path, draft_name=draft or "", lookup=bool(s.lookup), draft_max=s.draft_max,
+                          adaptive=bool(s.draft_adaptive))
 
     def _plan(self, info: Any, want_ctx: int | None, threads: int | None, ngl: int | None,
               n_batch: int | None) -> dict[str, Any]:
