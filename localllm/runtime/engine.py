@@ -29,8 +29,15 @@ from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import (SpecConfig, SpecState, StepCost, collect_drafts, make_drafter, settle_drafts,
-                                          verify)
+from localllm.runtime.speculative import (
+    SpecConfig,
+    SpecState,
+    StepCost,
+    collect_drafts,
+    make_drafter,
+    settle_drafts,
+    verify,
+)
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -83,6 +90,9 @@ class Engine:
             raise
         self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
         self._cost = StepCost()  # measured decode ms by batch rows: how long drafts may be
+        if self._drafter is not None and self.spec.adaptive:
+            n = self.spec.draft_max + 1
+            self._cost.calibrate(self.ctx, self._batch, self.model.bos, sorted({1, 2, 4, 8, 16, n}))
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
         self._thread.start()
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit

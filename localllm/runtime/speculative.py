@@ -165,6 +165,26 @@ class StepCost:
         self.ms: dict[int, float] = {}
         self._seen: set[int] = set()
 
+    def calibrate(self, ctx: Context, batch: Batch, token: int, sizes: list[int]) -> None:
+        """Time one decode of each batch size (rows of one sequence, all with logits) on an empty cache.
+
+        Kernels tile rows (quantized CPU matmuls are cheapest at multiples of 4 or 8), so the curve is
+        not smooth: measured points beat a guessed slope. Runs at load, before any request."""
+        import time
+
+        for n in sizes:
+            if n > batch.capacity:
+                continue
+            for _ in range(2):  # the first decode of a shape builds its graph
+                batch.clear()
+                for i in range(n):
+                    batch.add(token, i, 0, True)
+                t0 = time.perf_counter()
+                ctx.decode(batch)
+                self.observe(n, (time.perf_counter() - t0) * 1000)
+                ctx.seq_rm(0)
+        batch.clear()
+
     def observe(self, n_rows: int, ms: float) -> None:
         if n_rows not in self._seen:  # the first decode of a batch shape also (re)builds its graph
             self._seen.add(n_rows)
