@@ -12,9 +12,10 @@ import pytest
 from tinymodel import make_tiny_gguf
 
 from localllm.errors import InvalidInput
+from localllm.runtime.drafters import PromptLookup
 from localllm.runtime.engine import Engine
 from localllm.runtime.llama import Batch, Context, Model
-from localllm.runtime.speculative import PromptLookup, SpecConfig, SpecState, StepCost, plan_length, verify
+from localllm.runtime.speculative import SpecConfig, SpecState, StepCost, plan_length, verify
 from localllm.runtime.types import GenerationParams, Request
 
 GREEDY = GenerationParams(temperature=0)
@@ -80,6 +81,7 @@ def test_draft_length_follows_acceptance_and_measured_cost() -> None:
     assert plan_length(good, linear, 1, 1.0, 64) == 0
     assert 4 <= plan_length(good, cpu, 1, 1.0, 64) <= 16
     assert plan_length(bad, cpu, 1, 1.0, 64) == 0  # low acceptance: stop speculating
+    assert plan_length(good, cpu, 1, 1.0, 64, draft_ms=10.0) == 0  # a draft as costly as the target never pays
     fresh = SpecState(16, 1, 0.5)
     assert plan_length(fresh, StepCost(), 1, 1.0, 64) > 0  # nothing measured yet: the prior lets it try
     assert plan_length(SpecState(16, 6, 0.5), cpu, 1, 1.0, 5) == 0  # fewer than draft_min fit: don't

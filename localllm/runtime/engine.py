@@ -25,19 +25,13 @@ from typing import Any
 
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime import context_shift
+from localllm.runtime.drafters import make_drafter
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import (
-    SpecConfig,
-    SpecState,
-    StepCost,
-    collect_drafts,
-    make_drafter,
-    settle_drafts,
-    verify,
-)
+from localllm.runtime.speculative import SpecConfig, SpecState, StepCost
+from localllm.runtime.speculative import collect_drafts, settle_drafts, verify
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -84,15 +78,13 @@ class Engine:
             self._drafter = make_drafter(self.spec, self.model, n_ctx=self.ctx.n_ctx, slots=slots, n_batch=n_batch,
                                          threads=threads, target_name=name, draft_name=self.spec.draft_name)
         except BaseException:
-            self._batch.close()
-            self.ctx.close()
-            self.model.close()
+            self._drafter = None
+            self._close_native()
             raise
         self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
         self._cost = StepCost()  # measured decode ms by batch rows: how long drafts may be
         if self._drafter is not None and self.spec.adaptive:
-            n = self.spec.draft_max + 1
-            self._cost.calibrate(self.ctx, self._batch, self.model.bos, sorted({1, 2, 4, 8, 16, n}))
+            self._cost.calibrate(self.ctx, self._batch, self.model.bos, self.spec.draft_max)
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
         self._thread.start()
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
@@ -121,14 +113,13 @@ class Engine:
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx, self.tokenize)
-        n_keep = request.n_keep
-        if n_keep == 0 and prompt[0] == self.model.bos:
-            n_keep = 1  # never shift the BOS token away
+        n_keep = 1 if request.n_keep == 0 and prompt[0] == self.model.bos else request.n_keep  # keep BOS
         n_keep = context_shift.effective_keep(n_keep, len(prompt), self.n_ctx)
+        spec = SpecState.for_request(self.spec, request) if self._drafter else None
         chain = build_chain(self.model, request.params, grammar_for(request))
         state = StreamState()
         job = Job(request, prompt, state, chain, n_keep, notices=notices,
-                  stop=StopMatcher(request.stop) if request.stop else None, spec=SpecState.for_request(self.spec, request) if self._drafter else None)
+                  stop=StopMatcher(request.stop) if request.stop else None, spec=spec)
         job.timings.prompt_tokens = len(prompt)
         self._inbox.put(job)
         return Stream(state, request.id, self._wake)
@@ -174,6 +165,9 @@ class Engine:
         self._stop = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self._close_native()
+
+    def _close_native(self) -> None:
         self._batch.close()
         if self._drafter is not None:
             self._drafter.close()

@@ -8,7 +8,7 @@ any temperature; the drafts only decide how many positions one decode can settle
 tail is removed from the target's KV cache by the engine, and from the draft model's cache the
 next time it syncs to that slot's history.
 
-Drafters:
+Drafters (runtime/drafters.py):
 - `PromptLookup`: n-gram matches in the slot's own history (prompt and output). No model, no KV;
   strong when the answer quotes the prompt (code edits, rewrites, extraction).
 - `DraftModel`: a small GGUF with the target's vocabulary, its own context with the same slots.
@@ -22,18 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from localllm.errors import EngineError, InvalidInput, LocalLLMError, ModelLoadError
-from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
-from localllm.runtime.prefix_cache import common_prefix
+from localllm.errors import EngineError, InvalidInput
+from localllm.runtime.llama import Batch, Context
 from localllm.runtime.types import Request
 
 if TYPE_CHECKING:
     from localllm.runtime.slots import Slot
 
-__all__ = ["ChainDrafter", "DraftModel", "DraftTask", "Drafter", "PromptLookup", "SpecConfig", "SpecState",
-           "StepCost", "check_vocab", "collect_drafts", "make_drafter", "plan_length", "settle_drafts", "verify"]
+__all__ = ["DraftTask", "Drafter", "SpecConfig", "SpecState", "StepCost", "collect_drafts", "plan_length",
+           "settle_drafts", "verify"]
 
 
 @dataclass
@@ -82,6 +79,7 @@ class DraftTask:
 
 class Drafter(Protocol):
     name: str
+    ms_per_token: float  # what drafting one token costs (0 for lookup): counted against longer drafts
 
     def draft(self, tasks: list[DraftTask]) -> None:
         """Fill each task's `tokens` with up to n_max proposed continuations of its history."""
@@ -165,14 +163,15 @@ class StepCost:
         self.ms: dict[int, float] = {}
         self._seen: set[int] = set()
 
-    def calibrate(self, ctx: Context, batch: Batch, token: int, sizes: list[int]) -> None:
-        """Time one decode of each batch size (rows of one sequence, all with logits) on an empty cache.
+    def calibrate(self, ctx: Context, batch: Batch, token: int, draft_max: int) -> None:
+        """Time one decode of batch sizes 1, 2, 4, 8, 16 and draft_max + 1 (rows of one sequence, all
+        with logits) on the empty cache.
 
         Kernels tile rows (quantized CPU matmuls are cheapest at multiples of 4 or 8), so the curve is
         not smooth: measured points beat a guessed slope. Runs at load, before any request."""
         import time
 
-        for n in sizes:
+        for n in sorted({1, 2, 4, 8, 16, draft_max + 1}):
             if n > batch.capacity:
                 continue
             for _ in range(2):  # the first decode of a shape builds its graph
@@ -205,16 +204,17 @@ class StepCost:
         return unit * (1 + self.PRIOR_SLOPE * (n - 1))
 
 
-def plan_length(st: SpecState, cost: StepCost, rows: int, gain: float, limit: int) -> int:
+def plan_length(st: SpecState, cost: StepCost, rows: int, gain: float, limit: int, draft_ms: float = 0.0) -> int:
     """Drafts for one slot that maximize expected tokens per ms of this step (0: do not draft).
 
-    rows/gain: batch rows and expected tokens of the step so far (other slots included)."""
+    rows/gain: batch rows and expected tokens of the step so far (other slots included);
+    draft_ms: what drafting one token costs (a draft model's decode)."""
     if not st.adaptive:
         k = min(limit, st.n_max)
         return k if k >= max(1, st.n_min) else 0
     best_k, best = 0, gain / cost.t(rows)
     for k in range(max(1, st.n_min), min(limit, st.n_max) + 1):
-        v = (gain - 1.0 + st.expected(k)) / cost.t(rows + k)
+        v = (gain - 1.0 + st.expected(k)) / (cost.t(rows + k) + k * draft_ms)
         if v > best:
             best_k, best = k, v
     return best_k
@@ -231,7 +231,7 @@ def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int
             continue
         left = (job.request.max_tokens or 1 << 30) - len(job.out_tokens) - 1
         n = plan_length(job.spec, cost, rows, gain,
-                        min(left, n_ctx - len(s.tokens) - len(job.next_tokens), n_batch - rows))
+                        min(left, n_ctx - len(s.tokens) - len(job.next_tokens), n_batch - rows), drafter.ms_per_token)
         if n > 0:
             tasks.append(DraftTask(s.id, s.tokens + job.next_tokens, n, job.spec.p_min))
             rows += n
@@ -256,252 +256,3 @@ def settle_drafts(ctx: Context, s: Slot, n0: int, drafts: list[int], n_acc: int,
     job.timings.draft_accepted += n_acc
     counters["drafted"] += len(drafts)
     counters["draft_accepted"] += n_acc
-
-
-def check_vocab(target: Model, draft: Model, target_name: str = "", draft_name: str = "") -> None:
-    """Refuse a draft model whose vocabulary differs from the target's (drafts would be garbage ids)."""
-    tn, dn = target_name or target.path.name, draft_name or draft.path.name
-    why = None
-    if target.vocab_type != draft.vocab_type:
-        why = f"tokenizer types differ ({target.vocab_type} vs {draft.vocab_type})"
-    elif abs(target.n_vocab - draft.n_vocab) > 128:  # llama.cpp's own tolerance for padded vocabularies
-        why = f"vocabulary sizes differ ({target.n_vocab} vs {draft.n_vocab})"
-    elif (target.bos, target.eos, target.add_bos, target.add_eos) != (draft.bos, draft.eos, draft.add_bos,
-                                                                      draft.add_eos):
-        why = "special tokens differ (BOS/EOS or whether BOS/EOS are added)"
-    else:
-        for t in range(min(target.n_vocab, draft.n_vocab)):
-            if target.token_text(t) != draft.token_text(t):
-                why = f"token {t} differs ({target.token_text(t)!r} vs {draft.token_text(t)!r})"
-                break
-    if why:
-        raise InvalidInput(f"draft model {dn} cannot draft for {tn}: {why}",
-                           "use a draft from the same model family (same tokenizer), or --lookup")
-
-
-class PromptLookup:
-    """Draft by n-gram lookup: find the latest earlier occurrence of the history's last n tokens
-    (longest n first) and propose what followed it. An index per slot grows with the history."""
-
-    name = "lookup"
-
-    def __init__(self, ngram_min: int = 2, ngram_max: int = 4) -> None:
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self._indexed: dict[int, list[int]] = {}  # slot -> the history its index covers
-        self._index: dict[int, dict[tuple[int, ...], int]] = {}  # slot -> n-gram -> position after it
-
-    def draft(self, tasks: list[DraftTask]) -> None:
-        for t in tasks:
-            t.tokens = self.lookup(t.slot, t.history, t.n_max)
-
-    def lookup(self, slot: int, history: list[int], n_max: int) -> list[int]:
-        idx = self._update(slot, history)
-        n_hist = len(history)
-        for n in range(min(self.ngram_max, n_hist - 1), self.ngram_min - 1, -1):
-            pos = idx.get(tuple(history[n_hist - n:]))
-            if pos is not None:
-                return history[pos:pos + n_max]
-        return []
-
-    def _update(self, slot: int, history: list[int]) -> dict[tuple[int, ...], int]:
-        done = self._indexed.get(slot, [])
-        idx = self._index.get(slot)
-        if idx is None or len(done) > len(history) or history[:len(done)] != done:
-            idx, done = {}, []  # the history was rewritten (new request, rollback, shift): re-index
-        # index every n-gram that has a following token, i.e. ends before the last position
-        for i in range(max(len(done), 1), len(history)):
-            for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
-                idx[tuple(history[i - n:i])] = i
-        self._index[slot] = idx
-        self._indexed[slot] = list(history)
-        return idx
-
-    def shift(self, slot: int, keep: int, d: int) -> None:
-        self.forget(slot)
-
-    def forget(self, slot: int) -> None:
-        self._index.pop(slot, None)
-        self._indexed.pop(slot, None)
-
-    def close(self) -> None:
-        self._index.clear()
-        self._indexed.clear()
-
-
-def _top(row: np.ndarray) -> tuple[int, float]:
-    """Argmax and its softmax probability."""
-    i = int(row.argmax())
-    return i, float(1.0 / np.exp(row - row[i]).sum())
-
-
-class DraftModel:
-    """A small model with the target's vocabulary, one sequence per target slot.
-
-    Kept in step lazily: before drafting, each slot's draft KV is cut to the longest prefix it shares
-    with the target's history (dropping last step's rejected tail) and the rest is decoded, at most
-    n_batch tokens per step so a new long prompt never stalls the other streams."""
-
-    name = "draft"
-
-    def __init__(self, path: str | Path, target: Model, *, n_ctx: int, slots: int, n_batch: int = 512,
-                 threads: int | None = None, n_gpu_layers: int = 0, kv_type: str = "f16",
-                 target_name: str = "", draft_name: str = "") -> None:
-        self.model = Model(path, n_gpu_layers=n_gpu_layers)
-        try:
-            check_vocab(target, self.model, target_name, draft_name or Path(path).name)
-            self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_threads=threads,
-                               kv_type=kv_type, swa_full=True)
-        except BaseException:
-            self.model.close()
-            raise
-        self.batch = Batch(n_batch, 1)
-        self.n_batch = n_batch
-        self.n_vocab = target.n_vocab  # a padded draft vocabulary may propose ids the target lacks
-        self.tokens: list[list[int]] = [[] for _ in range(slots)]
-
-    def draft(self, tasks: list[DraftTask]) -> None:
-        try:
-            ready = self._sync(tasks)
-            self._extend(ready)
-        except NoKVSlot:  # the draft's cache is full: start it over, no drafts this step
-            self.ctx.clear()
-            self.tokens = [[] for _ in self.tokens]
-            for t in tasks:
-                t.tokens = []
-
-    def _sync(self, tasks: list[DraftTask]) -> list[tuple[DraftTask, int]]:
-        """Bring each slot's draft KV to its history; return (task, logits row) for the ready ones."""
-        b = self.batch
-        b.clear()
-        last: dict[int, int] = {}
-        in_kv = [len(t) for t in self.tokens]  # decoded cells per slot (tokens queued in `b` are not yet)
-        for t in tasks:
-            h, s = t.history, t.slot
-            n = common_prefix(self.tokens[s], h)
-            src, n_src = None, n + 16  # a longer prefix decoded in another slot: share its cells instead
-            for i, toks in enumerate(self.tokens):
-                if i != s and in_kv[i] > n_src and (m := min(common_prefix(toks, h), in_kv[i])) > n_src:
-                    src, n_src = i, m
-            if src is not None:
-                self.ctx.seq_rm(s)
-                self.ctx.seq_cp(src, s, 0, n_src)
-                self.tokens[s] = self.tokens[src][:n_src]
-                n = n_src
-            n = min(n, len(h) - 1)  # the last token is decoded again: its logits give the first draft
-            if n < len(self.tokens[s]):
-                if not self.ctx.seq_rm(s, n, -1):
-                    self.ctx.seq_rm(s)
-                    n = 0
-                del self.tokens[s][n:]
-            in_kv[s] = n
-            take = h[n:][: b.free]
-            for i, tok in enumerate(take):
-                row = b.add(tok, n + i, s, n + i == len(h) - 1)
-            self.tokens[s].extend(take)
-            if take and len(self.tokens[s]) == len(h):
-                last[s] = row
-        if b.n_tokens:
-            self.ctx.decode(b)
-        return [(t, last[t.slot]) for t in tasks if t.slot in last]
-
-    def _extend(self, ready: list[tuple[DraftTask, int]]) -> None:
-        """Greedy drafts, all ready slots in one batch per draft position."""
-        active = []
-        for t, row in ready:
-            tok, p = _top(self.ctx.logits_row(row))
-            if p >= t.p_min and tok < self.n_vocab:  # unsure: drafting would likely be wasted verification
-                t.tokens = [tok]
-                if len(t.tokens) < t.n_max:
-                    active.append(t)
-        b = self.batch
-        while active:
-            b.clear()
-            rows = {}
-            for t in active:
-                s = t.slot
-                rows[s] = b.add(t.tokens[-1], len(self.tokens[s]), s, True)
-                self.tokens[s].append(t.tokens[-1])
-            self.ctx.decode(b)
-            still = []
-            for t in active:
-                tok, p = _top(self.ctx.logits_row(rows[t.slot]))
-                if p < t.p_min or tok >= self.n_vocab:
-                    continue
-                t.tokens.append(tok)
-                if len(t.tokens) < t.n_max:
-                    still.append(t)
-            active = still
-
-    def shift(self, slot: int, keep: int, d: int) -> None:
-        toks = self.tokens[slot]
-        shared = any(common_prefix(toks, o) > keep for i, o in enumerate(self.tokens) if i != slot)
-        if len(toks) <= keep + d or shared or not self.ctx.can_shift:  # re-synced at the next draft
-            if self.ctx.seq_rm(slot, keep, -1):
-                self.tokens[slot] = toks[:keep]
-            else:
-                self.forget(slot)
-            return
-        self.ctx.seq_rm(slot, keep, keep + d)
-        self.ctx.seq_add(slot, keep + d, -1, -d)
-        self.tokens[slot] = toks[:keep] + toks[keep + d:]
-
-    def forget(self, slot: int) -> None:
-        self.ctx.seq_rm(slot)
-        self.tokens[slot] = []
-
-    def close(self) -> None:
-        self.batch.close()
-        self.ctx.close()
-        self.model.close()
-
-
-class ChainDrafter:
-    """Try each drafter in order; a later one drafts only the slots the earlier ones left empty."""
-
-    def __init__(self, drafters: list[Drafter]) -> None:
-        self.drafters = drafters
-        self.name = "+".join(d.name for d in drafters)
-
-    def draft(self, tasks: list[DraftTask]) -> None:
-        todo = tasks
-        for d in self.drafters:
-            if not todo:
-                break
-            d.draft(todo)
-            todo = [t for t in todo if not t.tokens]
-
-    def shift(self, slot: int, keep: int, d: int) -> None:
-        for dr in self.drafters:
-            dr.shift(slot, keep, d)
-
-    def forget(self, slot: int) -> None:
-        for dr in self.drafters:
-            dr.forget(slot)
-
-    def close(self) -> None:
-        for dr in self.drafters:
-            dr.close()
-
-
-def make_drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_batch: int, threads: int | None,
-                 target_name: str = "", draft_name: str = "") -> Drafter | None:
-    """The drafter a SpecConfig describes (None when it asks for none)."""
-    problems = cfg.problems()
-    if problems:
-        raise InvalidInput("; ".join(problems))
-    if not cfg.enabled:
-        return None
-    drafters: list[Drafter] = []
-    if cfg.lookup:
-        drafters.append(PromptLookup(cfg.ngram_min, cfg.ngram_max))
-    if cfg.draft_model is not None:
-        try:
-            drafters.append(DraftModel(cfg.draft_model, target, n_ctx=n_ctx, slots=slots, n_batch=n_batch,
-                                       threads=threads, n_gpu_layers=cfg.draft_gpu_layers,
-                                       target_name=target_name, draft_name=draft_name))
-        except LocalLLMError:
-            raise
-        except Exception as exc:  # llama.cpp failures surface as assorted errors
-            raise ModelLoadError(f"could not load the draft model: {exc}") from exc
-    return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters)
-
