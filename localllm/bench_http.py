@@ -111,14 +111,19 @@ def _client(n: int) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4))
 
 
-async def _single(target: Target, gen: int) -> tuple[float, float]:
-    """Best-of-3 client-observed decode tok/s, and the server's own figure for that best run."""
+async def _single(target: Target, gen: int, engine: Any = None) -> tuple[float, float, float]:
+    """Best-of-3 client-observed decode tok/s, the server's own figure for that best run, and — when an
+    in-process engine is given — its best-of-3, each of its runs right after an HTTP run (interleaved:
+    a busy moment on the machine hits both sides alike)."""
     async with _client(1) as c:
         best = Result(0.0, 0, 0.0, 0.0)
+        best_engine = 0.0
         for r in range(SINGLE_ROUNDS):
             res = await one_request(c, target, PROMPTS[0] + f" ({r})", gen)
             best = res if res.decode_tps > best.decode_tps else best
-        return best.decode_tps, best.server_tps
+            if engine is not None:
+                best_engine = max(best_engine, engine_round(engine, gen, r))
+        return best.decode_tps, best.server_tps, best_engine
 
 
 async def _load(target: Target, clients: int, gen: int, per_client: int) -> dict[str, Any]:
@@ -239,32 +244,31 @@ def engine_kwargs(path: Path, *, threads: int, ctx: int, slots: int) -> dict[str
         return {"n_ctx": ctx, "slots": slots, "threads": threads}
 
 
-def engine_single(path: Path, gen: int, kwargs: dict[str, Any]) -> tuple[float, list[int]]:
-    """Best-of-3 single-stream decode tok/s of the in-process Engine, and the model's end-of-generation ids."""
+def engine_round(eng: Any, gen: int, r: int) -> float:
+    """One single-stream run of the in-process Engine: decode tok/s as a client of the stream sees it."""
+    from localllm.runtime.types import GenerationParams, Request
+
+    t_first = t_last = 0.0
+    count = 0
+    req = Request(PROMPTS[0] + f" ({r})", GenerationParams(temperature=0), max_tokens=gen, ignore_eos=True)
+    for c in eng.submit(req):
+        if c.tokens:
+            now = time.perf_counter()
+            t_first = t_first or now
+            t_last = now
+            count += len(c.tokens)
+    return (count - 1) / (t_last - t_first) if count > 1 and t_last > t_first else 0.0
+
+
+def open_engine(path: Path, kwargs: dict[str, Any]) -> tuple[Any, list[int]]:
+    """The in-process baseline Engine (warmed up) and the model's end-of-generation ids."""
     from localllm.runtime.engine import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     eng = Engine(path, **kwargs, state_cache_bytes=0)
-    try:
-        g = GenerationParams(temperature=0)
-        eng.generate(Request("Hello", g, max_tokens=4))  # warm-up
-        best = 0.0
-        for r in range(SINGLE_ROUNDS):
-            t_first = t_last = 0.0
-            count = 0
-            for c in eng.submit(Request(PROMPTS[0] + f" ({r})", g, max_tokens=gen, ignore_eos=True)):
-                if c.tokens:
-                    now = time.perf_counter()
-                    t_first = t_first or now
-                    t_last = now
-                    count += len(c.tokens)
-            if count > 1 and t_last > t_first:
-                best = max(best, (count - 1) / (t_last - t_first))
-        model = eng.model
-        eog = [t for t in range(model.n_vocab) if model.is_eog(t)]
-        return best, eog
-    finally:
-        eng.close()
+    eng.generate(Request("Hello", GenerationParams(temperature=0), max_tokens=4))  # warm-up
+    model = eng.model
+    return eng, [t for t in range(model.n_vocab) if model.is_eog(t)]
 
 
 # ---- the benchmark --------------------------------------------------------------------------------
@@ -281,15 +285,17 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
     path = _model_file(model)
     slots = max(clients)
     kw = engine_kwargs(path, threads=threads, ctx=ctx, slots=slots)
-    say(f"in-process engine ({kw})...")
-    engine_tps, eog = engine_single(path, gen, kw)
+    say(f"in-process engine ({kw}) and localllm serve, single stream interleaved...")
     res: dict[str, Any] = {"model": model, "settings": {"threads": threads, "ctx": ctx, "slots": slots, "gen": gen,
-                                                       "clients": clients, "requests_per_client": per_client},
-                           "engine_single_decode_tps": engine_tps}
-    say("localllm serve...")
-    with localllm_server(threads=threads, ctx=ctx, slots=slots) as (base, _proc):
-        target = Target("localllm", base, model, "localllm")
-        res["localllm"] = asyncio.run(_measure(target, clients, gen, per_client, say))
+                                                       "clients": clients, "requests_per_client": per_client}}
+    eng, eog = open_engine(path, kw)
+    try:
+        with localllm_server(threads=threads, ctx=ctx, slots=slots) as (base, _proc):
+            target = Target("localllm", base, model, "localllm")
+            res["localllm"] = asyncio.run(_measure(target, clients, gen, per_client, say, engine=eng))
+    finally:
+        eng.close()
+    engine_tps = res["engine_single_decode_tps"] = res["localllm"].pop("engine_single_decode_tps")
     if not vs_llama_cpp_server:
         res["llama_cpp_server"] = "skipped"
     elif not llama_cpp_server_available():
@@ -311,11 +317,14 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
     return res
 
 
-async def _measure(target: Target, clients: list[int], gen: int, per_client: int, say: Any) -> dict[str, Any]:
+async def _measure(target: Target, clients: list[int], gen: int, per_client: int, say: Any,
+                   engine: Any = None) -> dict[str, Any]:
     async with _client(1) as c:  # warm-up: loads the model (localllm loads lazily), allocates graphs
         await one_request(c, target, "Hello", 4)
-    tps, server_tps = await _single(target, gen)
+    tps, server_tps, engine_tps = await _single(target, gen, engine)
     out: dict[str, Any] = {"single_decode_tps": tps, "single_decode_tps_server_reported": server_tps, "load": {}}
+    if engine is not None:
+        out["engine_single_decode_tps"] = engine_tps
     for k in clients:
         say(f"  {target.label}: {k} clients...")
         out["load"][str(k)] = await _load(target, k, gen, per_client)
