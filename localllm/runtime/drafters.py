@@ -12,7 +12,7 @@ import numpy as np
 from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import common_prefix
-from localllm.runtime.speculative import Drafter, DraftTask, SpecConfig
+from localllm.runtime.speculative import Drafter, DraftTask, SpecConfig, StepCost
 
 __all__ = ["ChainDrafter", "DraftModel", "PromptLookup", "check_vocab", "make_drafter"]
 
@@ -252,9 +252,20 @@ class ChainDrafter:
             dr.close()
 
 
-def make_drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_batch: int, threads: int | None,
-                 target_name: str = "", draft_name: str = "") -> Drafter | None:
-    """The drafter a SpecConfig describes (None when it asks for none)."""
+def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, threads: int | None,
+                 target_name: str = "") -> tuple[Drafter | None, StepCost]:
+    """The drafter a SpecConfig describes (None when it asks for none), and the target's decode-cost
+    table, calibrated on `ctx` (still empty) when drafting is adaptive."""
+    cost = StepCost()
+    drafter = _drafter(cfg, ctx.model, n_ctx=ctx.n_ctx, slots=slots, n_batch=batch.capacity, threads=threads,
+                       target_name=target_name)
+    if drafter is not None and cfg.adaptive:
+        cost.calibrate(ctx, batch, ctx.model.bos, cfg.draft_max)
+    return drafter, cost
+
+
+def _drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_batch: int, threads: int | None,
+             target_name: str) -> Drafter | None:
     problems = cfg.problems()
     if problems:
         raise InvalidInput("; ".join(problems))
@@ -267,7 +278,7 @@ def make_drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_ba
         try:
             drafters.append(DraftModel(cfg.draft_model, target, n_ctx=n_ctx, slots=slots, n_batch=n_batch,
                                        threads=threads, n_gpu_layers=cfg.draft_gpu_layers,
-                                       target_name=target_name, draft_name=draft_name))
+                                       target_name=target_name, draft_name=cfg.draft_name))
         except LocalLLMError:
             raise
         except Exception as exc:  # llama.cpp failures surface as assorted errors

@@ -30,8 +30,7 @@ from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import SpecConfig, SpecState, StepCost
-from localllm.runtime.speculative import collect_drafts, settle_drafts, verify
+from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, settle_drafts, verify
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 
@@ -74,17 +73,14 @@ class Engine:
         self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
                           "parked": 0, "restored": 0, "copied_prefix": 0, "drafted": 0, "draft_accepted": 0}
         self.spec = spec or SpecConfig()
-        try:
-            self._drafter = make_drafter(self.spec, self.model, n_ctx=self.ctx.n_ctx, slots=slots, n_batch=n_batch,
-                                         threads=threads, target_name=name, draft_name=self.spec.draft_name)
+        self._drafter = None
+        try:  # _cost: measured decode ms by batch rows, how long drafts may be
+            self._drafter, self._cost = make_drafter(self.spec, self.ctx, self._batch, slots=slots, threads=threads,
+                                                     target_name=name)
         except BaseException:
-            self._drafter = None
             self._close_native()
             raise
         self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
-        self._cost = StepCost()  # measured decode ms by batch rows: how long drafts may be
-        if self._drafter is not None and self.spec.adaptive:
-            self._cost.calibrate(self.ctx, self._batch, self.model.bos, self.spec.draft_max)
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
         self._thread.start()
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
@@ -225,14 +221,9 @@ class Engine:
         for s in self.slots:
             if s.job is not None and s.job.stream.cancelled.is_set():
                 self._finish(s, "cancelled")
-        if self._waiting:
-            still = deque()
-            for job in self._waiting:
-                if job.stream.cancelled.is_set():
-                    self._end_waiting(job, "cancelled")
-                else:
-                    still.append(job)
-            self._waiting = still
+        for job in [j for j in self._waiting if j.stream.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._end_waiting(job, "cancelled")
         while self._waiting and any(s.job is None for s in self.slots):
             job = self._waiting.popleft()
             try:
