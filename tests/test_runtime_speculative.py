@@ -241,3 +241,14 @@ def test_context_shift_while_speculating(tiny_path: Path) -> None:
     # same shifts at the same points: the text is the same up to batch-numerics ties
     same = next((i for i, (a, b) in enumerate(zip(plain.tokens, drafted.tokens)) if a != b), 700)
     assert same > 100
+
+
+def test_a_full_draft_cache_evicts_idle_slots_and_keeps_serving(tiny_path: Path) -> None:
+    """The draft's KV cache is as small as the target's: old histories of other slots must make room."""
+    prompts = [f"{w} " * 20 for w in ("hello", "world", "foo", "bar", "json", "model")]
+    with Engine(tiny_path, n_ctx=256, slots=3, threads=2, spec=SpecConfig(draft_model=tiny_path, p_min=0.0,
+                                                                         adaptive=False)) as e:
+        for p in prompts:  # one after another: each leaves its history behind in its slot
+            r = e.generate(Request(p, params=GREEDY, max_tokens=60))
+            assert len(r.tokens) == 60 and r.timings.draft_n > 0
+        _assert_mirrors(e)

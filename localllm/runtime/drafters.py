@@ -118,24 +118,43 @@ class DraftModel:
         self.n_batch = n_batch
         self.n_vocab = target.n_vocab  # a padded draft vocabulary may propose ids the target lacks
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
-        self.ms_per_token = 0.0  # measured: wall time of draft() per drafted token
+        self._ms = 0.0  # measured: time of the drafting decodes per drafted position
+
+    @property
+    def ms_per_token(self) -> float:
+        # read once per planned slot; decays while nothing is drafted, so a cost estimate that stopped
+        # drafting is tried again now and then instead of forever
+        self._ms *= 0.99
+        return self._ms
 
     def draft(self, tasks: list[DraftTask]) -> None:
         import time
 
-        t0 = time.perf_counter()
-        try:
-            ready = self._sync(tasks)
-            self._extend(ready)
-        except NoKVSlot:  # the draft's cache is full: start it over, no drafts this step
-            self.ctx.clear()
-            self.tokens = [[] for _ in self.tokens]
+        for attempt in range(2):
             for t in tasks:
                 t.tokens = []
-        n = max(len(t.tokens) for t in tasks) if tasks else 0  # slots draft side by side in one batch
-        if n:
-            ms = (time.perf_counter() - t0) * 1000 / n
-            self.ms_per_token = ms if not self.ms_per_token else 0.8 * self.ms_per_token + 0.2 * ms
+            try:
+                ready = self._sync(tasks)
+                t0 = time.perf_counter()
+                self._extend(ready)
+                n = max((len(t.tokens) for t, _ in ready), default=0)  # slots draft side by side
+                if n:  # only the drafting decodes: a new prompt's catch-up is not a per-token cost
+                    ms = (time.perf_counter() - t0) * 1000 / n
+                    self._ms = ms if not self._ms else 0.8 * self._ms + 0.2 * ms
+                return
+            except NoKVSlot:  # the draft's cache is full: drop the slots not drafting now, then all
+                busy = {t.slot for t in tasks}
+                for i in range(len(self.tokens)):
+                    if attempt or i not in busy:
+                        self.forget(i)
+                    else:  # the failed batch added nothing: the mirror goes back to what the cache holds
+                        del self.tokens[i][self.ctx.seq_pos_max(i) + 1:]
+            except LocalLLMError:  # drafting is optional: start the draft's cache over, keep serving
+                self.ctx.clear()
+                self.tokens = [[] for _ in self.tokens]
+                break
+        for t in tasks:
+            t.tokens = []
 
     def _sync(self, tasks: list[DraftTask]) -> list[tuple[DraftTask, int]]:
         """Bring each slot's draft KV to its history; return (task, logits row) for the ready ones."""
@@ -229,7 +248,10 @@ class ChainDrafter:
     def __init__(self, drafters: list[Drafter]) -> None:
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
-        self.ms_per_token = 0.0  # the first (lookup) is free; a later one drafts only where it found nothing
+
+    @property
+    def ms_per_token(self) -> float:  # the last one's: it drafts wherever the cheaper ones found nothing
+        return self.drafters[-1].ms_per_token
 
     def draft(self, tasks: list[DraftTask]) -> None:
         todo = tasks
@@ -259,9 +281,28 @@ def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, thr
     cost = StepCost()
     drafter = _drafter(cfg, ctx.model, n_ctx=ctx.n_ctx, slots=slots, n_batch=batch.capacity, threads=threads,
                        target_name=target_name)
-    if drafter is not None and cfg.adaptive:
-        cost.calibrate(ctx, batch, ctx.model.bos, cfg.draft_max)
+    if drafter is not None:
+        token = max(ctx.model.bos, 0)  # any valid id; some vocabularies have no BOS
+        if not _can_drop_tail(ctx, batch, token):
+            drafter.close()
+            raise InvalidInput("speculative decoding needs a KV cache that can drop a sequence's last tokens; "
+                               f"{target_name or ctx.model.path.name} has recurrent memory, which cannot",
+                               "run it without --draft/--lookup")
+        if cfg.adaptive:
+            cost.calibrate(ctx, batch, token, cfg.draft_max)
     return drafter, cost
+
+
+def _can_drop_tail(ctx: Context, batch: Batch, token: int) -> bool:
+    """Whether rejected drafts can be removed (recurrent memories refuse a partial seq_rm)."""
+    batch.clear()
+    batch.add(token, 0, 0, False)
+    batch.add(token, 1, 0, True)
+    ctx.decode(batch)
+    batch.clear()
+    ok = ctx.seq_rm(0, 1, -1)
+    ctx.seq_rm(0)
+    return ok
 
 
 def _drafter(cfg: SpecConfig, target: Model, *, n_ctx: int, slots: int, n_batch: int, threads: int | None,
