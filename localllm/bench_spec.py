@@ -151,7 +151,7 @@ def print_table(res: dict[str, Any]) -> None:
     t = Table(title=f"speculative decoding: {res['model']}" + (f" ← draft {res['draft']}" if res["draft"] else "")
               + f", {res['threads']} threads, {res['gen']} tokens/stream, greedy, draft_max {res['draft_max']}")
     for col in ("workload", "drafting", "decode tok/s", "× none", "drafted", "accepted", "acceptance",
-                "tokens/step"):
+                "tokens/step (all streams)"):
         t.add_column(col, justify="left" if col in ("workload", "drafting") else "right")
     for r in res["rows"]:
         acc = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "–"
