@@ -158,3 +158,16 @@ def test_pull_progress_and_error_lines() -> None:
     with pytest.raises(LocalLLMError, match="API key") as info:
         backend.models()
     assert getattr(info.value, "status", None) == 401
+
+
+def test_final_line_timings_carry_cache_and_draft_counts() -> None:
+    from localllm.tui.http_backend import timings_from
+
+    usage, t = timings_from({"prompt_eval_count": 30, "eval_count": 12, "prompt_cache_count": 20,
+                             "prompt_eval_duration": 5_000_000, "eval_duration": 110_000_000,
+                             "draft_n": 10, "draft_n_accepted": 7})
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (30, 12, 20)
+    assert (t.draft_n, t.draft_accepted, t.cached_tokens) == (10, 7, 20)
+    assert abs(t.decode_per_s - 100.0) < 1e-6  # 11 tokens after the first in 110 ms
+    _, plain = timings_from({"prompt_eval_count": 3, "eval_count": 2})  # a stock Ollama line
+    assert plain.draft_n == 0 and plain.cached_tokens == 0
