@@ -82,6 +82,7 @@ def _run(engine: Any, prompt: str, streams: int, gen: int) -> dict[str, Any]:
 def verify_cost(path: Path, threads: int, rows: tuple[int, ...] = (1, 2, 4, 8, 16), reps: int = 12) -> dict[int, float]:
     """Median ms of one target decode carrying `k` consecutive rows of one sequence, all with logits."""
     from localllm.runtime.llama import Batch, Context, Model
+    from localllm.runtime.speculative import time_rows
 
     m = Model(path)
     ctx = Context(m, n_ctx=1024, n_batch=64, n_threads=threads)
@@ -97,13 +98,7 @@ def verify_cost(path: Path, threads: int, rows: tuple[int, ...] = (1, 2, 4, 8, 1
     out: dict[int, list[float]] = {k: [] for k in rows}
     for _ in range(reps):  # interleaved, so a burst of other load hits every size alike
         for k in rows:
-            b.clear()
-            for j in range(k):
-                b.add(toks[j], pos + j, 0, True)
-            t0 = time.perf_counter()
-            ctx.decode(b)
-            out[k].append((time.perf_counter() - t0) * 1000)
-            ctx.seq_rm(0, pos, -1)
+            out[k].append(time_rows(ctx, b, toks[0], k, pos))
     b.close()
     ctx.close()
     m.close()

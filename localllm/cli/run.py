@@ -232,7 +232,7 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
 @click.argument("model")
 @click.option("--ctx", type=int, default=4096, show_default=True)
 @click.option("--threads", type=int, help="CPU threads (default: all cores).")
-@click.option("--gen", type=int, default=128, show_default=True, help="Tokens generated per stream.")
+@click.option("--gen", type=int, help="Tokens generated per stream (default 128; 256 with --spec).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--quants", is_flag=True, help="Instead: build a quant ladder from MODEL and measure each type.")
 @click.option("--types", help="With --quants: comma-separated types (default Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q3_K_M,Q2_K; the F16 source is the baseline).")
@@ -246,7 +246,7 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
 @click.option("--draft-max", type=int, default=16, show_default=True, help="With --spec: most tokens drafted per step.")
 @click.option("--soak", type=float, metavar="SECONDS", help="Instead: the largest --clients count for SECONDS "
               "over HTTP; reports requests, errors and server RSS.")
-def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool, quants: bool,
+def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, http: bool, clients: str, vs_llama_cpp_server: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
@@ -263,7 +263,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool, qu
         path, _ = resolve_model(model)
         dpath = resolve_model(draft)[0] if draft else None
         click.echo(f"benchmarking speculative decoding on {model} (a few minutes)...", err=True)
-        res = bench_spec.run(path, draft=dpath, threads=threads or 2, gen=gen if gen != 128 else 256,
+        res = bench_spec.run(path, draft=dpath, threads=threads or 2, gen=gen or 256,
                              draft_max=draft_max, model_name=model, draft_name=draft or "",
                              log=lambda m: click.echo(m, err=True))
         if as_json:
@@ -271,7 +271,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int, as_json: bool, qu
         else:
             bench_spec.print_table(res)
         return
-
+    gen = gen or 128
     if http or soak:
         from localllm import bench_http
 

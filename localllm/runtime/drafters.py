@@ -5,6 +5,7 @@ See runtime/speculative.py for how the engine plans, verifies and settles their 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +129,6 @@ class DraftModel:
         return self._ms
 
     def draft(self, tasks: list[DraftTask]) -> None:
-        import time
-
         for attempt in range(2):
             for t in tasks:
                 t.tokens = []

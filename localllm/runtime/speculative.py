@@ -17,6 +17,7 @@ Drafters (runtime/drafters.py):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,19 +170,11 @@ class StepCost:
 
         Kernels tile rows (quantized CPU matmuls are cheapest at multiples of 4 or 8), so the curve is
         not smooth: measured points beat a guessed slope. Runs at load, before any request."""
-        import time
-
         for n in sorted({1, 2, 4, 8, 16, draft_max + 1}):
             if n > batch.capacity:
                 continue
-            for _ in range(2):  # the first decode of a shape builds its graph
-                batch.clear()
-                for i in range(n):
-                    batch.add(token, i, 0, True)
-                t0 = time.perf_counter()
-                ctx.decode(batch)
-                self.observe(n, (time.perf_counter() - t0) * 1000)
-                ctx.seq_rm(0)
+            for _ in range(2):  # the first decode of a shape builds its graph (observe skips it)
+                self.observe(n, time_rows(ctx, batch, token, n))
         batch.clear()
 
     def observe(self, n_rows: int, ms: float) -> None:
@@ -202,6 +195,19 @@ class StepCost:
         if lo is not None:
             return self.ms[lo] + self.PRIOR_SLOPE * unit * (n - lo)
         return unit * (1 + self.PRIOR_SLOPE * (n - 1))
+
+
+def time_rows(ctx: Context, batch: Batch, token: int, n: int, pos: int = 0) -> float:
+    """Milliseconds of one decode of n rows of sequence 0 at positions pos.., all with logits; the rows
+    are removed again."""
+    batch.clear()
+    for i in range(n):
+        batch.add(token, pos + i, 0, True)
+    t0 = time.perf_counter()
+    ctx.decode(batch)
+    ms = (time.perf_counter() - t0) * 1000
+    ctx.seq_rm(0, pos, -1)
+    return ms
 
 
 def plan_length(st: SpecState, cost: StepCost, rows: int, gain: float, limit: int, draft_ms: float = 0.0) -> int:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from localllm.errors import InvalidInput
@@ -113,38 +112,38 @@ class Composer:
                 self._plans[key] = kwargs
         size, vram = kwargs.get("_size", 0), kwargs.get("_vram", 0)
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
-        spec = self.speculation(man.name)
+        spec, draft_size = self.speculation(man)
         if spec is not None:
             kwargs["spec"], kwargs["name"] = spec, man.name
-            if spec.draft_model is not None:
-                size += Path(spec.draft_model).stat().st_size
+            size += draft_size
         store, mname = self.store, man.name
         return ModelSpec(name=man.name, path=self.store.blob_path(man.digest), engine_kwargs=kwargs,
                          size_bytes=size, size_vram=vram, details=details(info),
                          hold=lambda: store.in_use(mname))
 
-    def speculation(self, name: str) -> Any:
-        """The SpecConfig the settings ask for this model (None: no drafting).
+    def speculation(self, man: Any) -> tuple[Any, int]:
+        """(the SpecConfig the settings ask for this model or None, the draft file's size).
 
         `draft = "auto"` uses the catalog's pairing when that draft is installed, silently nothing
         otherwise; a named draft must be installed. A model never drafts for itself."""
         from localllm.runtime.speculative import SpecConfig
 
         s = self.settings
-        draft = s.draft
-        if draft == "auto":
-            draft = (self.catalog.entry(name) or {}).get("draft")
-            if draft and self.store.get(draft) is None:
-                draft = None
-        path = None
-        if draft:
-            dman = self.store.require(draft)
-            if dman.digest != self.store.require(name).digest:
-                path, draft = self.store.blob_path(dman.digest), dman.name
-        if path is None and not s.lookup:
-            return None
-        return SpecConfig(draft_model=path, draft_name=draft or "", lookup=bool(s.lookup), draft_max=s.draft_max,
+        if not s.draft and not s.lookup:
+            return None, 0
+        if s.draft == "auto":
+            pair = (self.catalog.entry(man.name) or {}).get("draft")
+            dman = self.store.get(pair) if pair else None
+        else:
+            dman = self.store.require(s.draft) if s.draft else None
+        if dman is not None and dman.digest == man.digest:
+            dman = None
+        if dman is None and not s.lookup:
+            return None, 0
+        spec = SpecConfig(draft_model=self.store.blob_path(dman.digest) if dman else None,
+                          draft_name=dman.name if dman else "", lookup=bool(s.lookup), draft_max=s.draft_max,
                           adaptive=bool(s.draft_adaptive))
+        return spec, dman.size if dman else 0
 
     def _plan(self, info: Any, want_ctx: int | None, threads: int | None, ngl: int | None,
               n_batch: int | None) -> dict[str, Any]:

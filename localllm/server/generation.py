@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from localllm.errors import InvalidInput, ModelLoadError, Overloaded
@@ -69,6 +70,13 @@ def max_tokens_from(value: Any, engine: Any, name: str = "max_tokens") -> int:
         raise InvalidInput(f"{name} must be a positive integer (or -1 for no limit), got {value!r}")
     # clients send large limits routinely; under the shift policy a huge one would run for hours
     return min(value, MAX_TOKENS_PER_CTX * int(engine.n_ctx))
+
+
+class Body(BaseModel):
+    """Request bodies of every dialect: unknown fields are kept (clients send many we do not use,
+    and llama-server's flat `speculative.*` keys are read from them)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 # speculative decoding per request: Ollama-style option name, llama-server's flat `speculative.*` keys

@@ -17,23 +17,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from localllm.errors import InvalidInput, LocalLLMError
 from localllm.runtime.types import Request as GenRequest
 from localllm.server import generation as gen
+from localllm.server.generation import Body
 from localllm.server.streaming import achunks
 
 router = APIRouter()
 SSE = "text/event-stream"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class CompletionBody(_Body):
+class CompletionBody(Body):
     model: str | None = None
     prompt: str | list[int] = ""
     n_predict: int = -1
@@ -68,14 +64,14 @@ class InfillBody(CompletionBody):
     input_extra: Any = None  # validated by hand: a bad item is a 400 that names it
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(Body):
     model: str | None = None
     content: str
     add_special: bool = False
     with_pieces: bool = False
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(Body):
     model: str | None = None
     tokens: list[int]
 

@@ -13,21 +13,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from localllm import __version__
 from localllm.errors import LocalLLMError, ModelNotFound
+from localllm.server.generation import Body
 from localllm.server.models import capabilities, details, info_for, rfc3339, tag_entry
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ModelRef(_Body):
+class ModelRef(Body):
     model: str | None = None
     name: str | None = None  # older clients send `name`
 
@@ -45,7 +41,7 @@ class PullBody(ModelRef):
     insecure: bool = False
 
 
-class CopyBody(_Body):
+class CopyBody(Body):
     source: str
     destination: str
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from localllm.errors import InvalidInput
 from localllm.runtime.pool import parse_keep_alive
 from localllm.runtime.types import Request as GenRequest
 from localllm.server import generation as gen
+from localllm.server.generation import Body
 from localllm.server.streaming import achunks
 
 router = APIRouter()
@@ -30,11 +30,7 @@ NDJSON = "application/x-ndjson"
 POOL_OPTIONS = ("num_ctx", "num_thread", "num_gpu", "num_batch")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class _GenCommon(_Body):
+class _GenCommon(Body):
     model: str
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
@@ -51,7 +47,7 @@ class GenerateRequest(_GenCommon):
     images: list[str] | None = None
 
 
-class OllamaMessage(_Body):
+class OllamaMessage(Body):
     role: str
     content: str | None = ""
     images: list[str] | None = None
@@ -62,7 +58,7 @@ class ChatRequest(_GenCommon):
     tools: list[dict[str, Any]] | None = None
 
 
-class EmbedRequest(_Body):
+class EmbedRequest(Body):
     model: str
     input: str | list[str]
     keep_alive: str | int | float | None = None

@@ -17,29 +17,25 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Request as GenRequest
 from localllm.server import generation as gen
+from localllm.server.generation import Body
 from localllm.server.streaming import achunks
 
 router = APIRouter()
 SSE = "text/event-stream"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
-class _Common(_Body):
+class _Common(Body):
     model: str
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -77,7 +73,7 @@ class CompletionRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(Body):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
 
