@@ -45,8 +45,11 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_layer: int = 2,
                    n_head: int = 4, n_head_kv: int = 2, n_ff: int | None = None, n_ctx_train: int = 2048,
-                   dtype: str = "F32", seed: int = 0, chat_template: str | None = None) -> Path:
-    """Write a random-weight llama GGUF to `path` (dtype "F32" or "F16") and return the path."""
+                   dtype: str = "F32", seed: int = 0, chat_template: str | None = None,
+                   add_bos: bool = True) -> Path:
+    """Write a random-weight llama GGUF to `path` (dtype "F32" or "F16") and return the path.
+
+    add_bos: the GGUF's tokenizer.ggml.add_bos_token (False: a model that wants no BOS)."""
     import gguf
 
     if n_vocab < 259 + 1:
@@ -79,7 +82,7 @@ def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_
     w.add_bos_token_id(BOS)
     w.add_eos_token_id(EOS)
     w.add_unk_token_id(UNK)
-    w.add_add_bos_token(True)
+    w.add_add_bos_token(add_bos)
     w.add_add_eos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)
@@ -104,6 +107,89 @@ def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_
         w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s))
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
     w.add_tensor("output_norm.weight", norm())
+    out = mat(n_vocab, n_embd, 1.0)
+    out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
+    out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0
+    w.add_tensor("output.weight", out)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def make_tiny_gemma3_gguf(path: str | Path, *, n_swa: int = 32, n_layer: int = 6, n_vocab: int = 512,
+                          n_embd: int = 64, n_head: int = 4, n_head_kv: int = 1, n_ff: int | None = None,
+                          n_ctx_train: int = 4096, seed: int = 0, q_scale: float = 3.0) -> Path:
+    """Write a random-weight `gemma3` GGUF with a small sliding window (F32) and return the path.
+
+    llama.cpp's gemma3 puts 5 of every 6 layers on a sliding window of `n_swa` tokens (the 6th attends
+    to everything), so prompts of a few hundred tokens exercise the SWA KV cache the way gemma-3-270m's
+    512-token window does with thousands. Attention is made to matter (peaked scores, strong
+    post-attention norm) so a missing or wrong KV cell changes the greedy output; output.weight is
+    written separately from token_embd with zero rows for control and unused tokens, so they are never
+    the argmax and generations run to max_tokens.
+    """
+    import gguf
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    n_ff = n_ff or 2 * n_embd
+    head_dim = n_embd // n_head
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny-gemma3-swa")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_sliding_window(n_swa)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    toks, scores, types = _vocab(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n: int, value: float = 1.0) -> np.ndarray:
+        return np.full(n, value, dtype=np.float32)
+
+    kv = head_dim * n_head_kv
+    s = 1.0 / np.sqrt(n_embd)
+    # gemma scales the input embedding by sqrt(n_embd): keep the residual stream near unit RMS
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, s))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm(n_embd))
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_embd, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(kv, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(kv, n_embd, s))
+        w.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(head_dim, q_scale))  # peaked attention scores
+        w.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(head_dim))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(n_embd, n_embd, s))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", norm(n_embd, 2.0))  # attention dominates
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(n_embd))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd, s))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
+        w.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(n_embd))
+    w.add_tensor("output_norm.weight", norm(n_embd))
     out = mat(n_vocab, n_embd, 1.0)
     out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
     out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0

@@ -12,7 +12,7 @@ import numpy as np
 
 from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
-from localllm.runtime.prefix_cache import common_prefix
+from localllm.runtime.prefix_cache import common_prefix, kv_holds
 from localllm.runtime.speculative import Drafter, DraftTask, SpecConfig, StepCost
 
 __all__ = ["ChainDrafter", "DraftModel", "PromptLookup", "check_vocab", "make_drafter"]
@@ -163,17 +163,18 @@ class DraftModel:
         in_kv = [len(t) for t in self.tokens]  # decoded cells per slot (tokens queued in `b` are not yet)
         for t in tasks:
             h, s = t.history, t.slot
-            n = common_prefix(self.tokens[s], h)
+            cap = len(h) - 1  # the last token is decoded again: its logits give the first draft
+            n = self._usable(s, min(common_prefix(self.tokens[s], h), cap))
             src, n_src = None, n + 16  # a longer prefix decoded in another slot: share its cells instead
             for i, toks in enumerate(self.tokens):
-                if i != s and in_kv[i] > n_src and (m := min(common_prefix(toks, h), in_kv[i])) > n_src:
+                if (i != s and in_kv[i] > n_src
+                        and (m := self._usable(i, min(common_prefix(toks, h), in_kv[i], cap))) > n_src):
                     src, n_src = i, m
             if src is not None:
                 self.ctx.seq_rm(s)
                 self.ctx.seq_cp(src, s, 0, n_src)
                 self.tokens[s] = self.tokens[src][:n_src]
                 n = n_src
-            n = min(n, len(h) - 1)  # the last token is decoded again: its logits give the first draft
             if n < len(self.tokens[s]):
                 if not self.ctx.seq_rm(s, n, -1):
                     self.ctx.seq_rm(s)
@@ -189,6 +190,10 @@ class DraftModel:
         if b.n_tokens:
             self.ctx.decode(b)
         return [(t, last[t.slot]) for t in tasks if t.slot in last]
+
+    def _usable(self, slot: int, n: int) -> int:
+        """n, or 0 where the draft KV of `slot` no longer holds what follows its first n tokens needs."""
+        return n if kv_holds(self.ctx.seq_pos_min(slot), n, self.model.n_swa) else 0
 
     def _extend(self, ready: list[tuple[DraftTask, int]]) -> None:
         """Greedy drafts, all ready slots in one batch per draft position."""

@@ -27,7 +27,7 @@ from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime import context_shift
 from localllm.runtime.drafters import make_drafter
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
-from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
+from localllm.runtime.prefix_cache import StateLRU, common_prefix, kv_holds
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, settle_drafts, verify
@@ -64,6 +64,7 @@ class Engine:
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
         self._parked = StateLRU(state_cache_bytes)
+        self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
         self._min_park = min_park_tokens
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
@@ -118,7 +119,7 @@ class Engine:
                   stop=StopMatcher(request.stop) if request.stop else None, spec=spec)
         job.timings.prompt_tokens = len(prompt)
         self._inbox.put(job)
-        return Stream(state, request.id, self._wake)
+        return Stream(state, request.id, self._wake, list(prompt))
 
     def generate(self, request: Request) -> Result:
         return self.submit(request).result()
@@ -245,20 +246,28 @@ class Engine:
         job.stream.put(Chunk(finish_reason=reason, usage=job.usage(), timings=t, error=exc))  # type: ignore[arg-type]
 
     def _admit(self, job: Job, now: float) -> None:
-        """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any."""
+        """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any.
+
+        A prefix counts only as far as the KV memory still holds what the next token attends to
+        (kv_holds: a sliding-window model forgets old cells of idle sequences too).
+        """
         prompt = job.prompt
+        cap = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
         free = [s for s in self.slots if s.job is None]
-        dst = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-        n = common_prefix(dst.tokens, prompt)
-        src_id, n_src = best_prefix({s.id: s.tokens for s in self.slots if s.job is not None}, prompt)
-        key, n_park = self._parked.best(prompt)
+        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap), -s.last_used))
+        n = self._reusable(dst, prompt, cap)
+        src, n_src = None, 0
+        for s in self.slots:
+            if s.job is not None and (m := self._reusable(s, prompt, cap)) > n_src:
+                src, n_src = s, m
+        key, n_park = self._parked.best(prompt, self._n_swa, cap)
         if max(n_src, n_park) >= n + _REUSE_MIN:
             self._park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
             dst.tokens = []
-            if n_src >= n_park and src_id is not None:
-                self.ctx.seq_cp(src_id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
-                dst.tokens = self.slots[src_id].tokens[:n_src]
+            if n_src >= n_park and src is not None:
+                self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
+                dst.tokens = src.tokens[:n_src]
                 self._counters["copied_prefix"] += 1
             else:
                 try:
@@ -267,11 +276,9 @@ class Engine:
                     self._counters["restored"] += 1
                 except EngineError:  # no room in the KV cache for it: prefill instead
                     self.ctx.seq_rm(dst.id)
-            n = common_prefix(dst.tokens, prompt)
+            n = self._reusable(dst, prompt, cap)
         else:
             self._park(dst, keep=n)
-        if n >= len(prompt):
-            n = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
@@ -286,6 +293,11 @@ class Engine:
         for notice in job.notices:
             job.stream.put(Chunk(notice=notice))
 
+    def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
+        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
+        n = min(common_prefix(s.tokens, prompt), cap)
+        return n if kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
+
     def _park(self, slot: Slot, keep: int) -> None:
         """Save the part of an idle slot's history that is about to be overwritten, if worth it."""
         if self._parked.budget <= 0 or len(slot.tokens) - keep < self._min_park:
@@ -294,7 +306,11 @@ class Engine:
             blob = self.ctx.state_seq_get(slot.id)
         except LocalLLMError:
             return
-        if self._parked.put(slot.tokens, blob):
+        # a sliding-window model saves only the last window of its SWA layers
+        pos_min = self.ctx.seq_pos_min(slot.id)
+        if self._n_swa > 0:
+            pos_min = max(pos_min, len(slot.tokens) - self._n_swa)
+        if self._parked.put(slot.tokens, blob, pos_min):
             self._counters["parked"] += 1
 
     def _make_room(self, s: Slot) -> None:

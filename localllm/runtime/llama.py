@@ -20,6 +20,14 @@ import numpy as np
 
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
 
+# Placeholders for image/audio/video input in multimodal vocabularies (Gemma 3, Qwen2-VL, Llava, …). This
+# runtime feeds text only, so they can never be right output: a base gemma-3-270m asked "Write a haiku
+# about the sea" otherwise answers <start_of_image> forever (its own greedy choice, p = 0.33).
+MEDIA_PLACEHOLDERS = (
+    "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_audio>", "<end_of_audio>",
+    "<audio_soft_token>", "[multimodal]", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<|image|>", "<image>", "<fake_token_around_image>",
+)
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
@@ -93,10 +101,30 @@ class Model:
         self.vocab_type: int = int(lc.llama_vocab_type(self.vocab))
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(self._p)
         self.n_layer: int = lc.llama_model_n_layer(self._p)
+        self.n_swa: int = int(lc.llama_model_n_swa(self._p))  # sliding-window size; 0 for full attention
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._eog: dict[int, bool] = {}
+        self.media_tokens: list[int] = self._media_tokens()  # never sampled (see MEDIA_PLACEHOLDERS)
+
+    def _media_tokens(self) -> list[int]:
+        special = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_USER_DEFINED
+        found = []
+        for text in MEDIA_PLACEHOLDERS:
+            ids = self.tokenize(text, add_special=False, parse_special=True)
+            if (len(ids) == 1 and self.token_text(ids[0]) == text.encode()
+                    and lc.llama_vocab_get_attr(self.vocab, ids[0]) & special and not self.is_eog(ids[0])):
+                found.append(ids[0])
+        return found
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text → token ids; every prompt, raw or rendered from a template, reaches the engine through here.
+
+        add_special: BOS (and EOS) where the GGUF asks (tokenizer.ggml.add_bos_token / add_eos_token),
+        BOS exactly once: a text that already starts with it (a template's or a raw prompt's "<bos>",
+        parsed as the special token) gets no second one — llama.cpp alone would prepend another and
+        only log a warning. A model whose add_bos is false gets none added.
+        parse_special: special-token text ("<bos>", "<start_of_turn>") becomes the token, never text.
+        """
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (lc.llama_token * n_max)()
@@ -107,7 +135,10 @@ class Model:
             n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
         if n < 0:
             raise EngineError(f"tokenization failed ({n})")
-        return list(buf[:n])
+        tokens = list(buf[:n])
+        if add_special and self.add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == self.bos:
+            del tokens[0]  # the text brought its own BOS
+        return tokens
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """Raw bytes of one token (may be part of a UTF-8 sequence); cached per token."""
@@ -203,11 +234,20 @@ class SamplerChain:
         if not self._p:
             raise EngineError("could not create a sampler chain")
         self.greedy_only = False  # set by runtime.sampling when the chain is plain argmax
+        self.banned: list[int] = []  # tokens masked before the greedy fast path's argmax
 
     def _add(self, smpl: Any, what: str) -> None:
         if not smpl:  # a NULL sampler in a chain segfaults on first use
             raise InvalidInput(f"could not create the {what} sampler")
         lc.llama_sampler_chain_add(self._p, smpl)  # the chain owns it from here
+
+    def add_ban(self, n_vocab: int, tokens: list[int]) -> None:
+        """Never sample `tokens` (logit bias -inf), whatever follows in the chain."""
+        self.banned = list(tokens)
+        if not tokens:
+            return
+        biases = (lc.llama_logit_bias * len(tokens))(*[lc.llama_logit_bias(t, float("-inf")) for t in tokens])
+        self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(tokens), biases), "logit bias")
 
     def add_greedy(self) -> None:
         self._add(lc.llama_sampler_init_greedy(), "greedy")
@@ -248,7 +288,10 @@ class SamplerChain:
             ptr = lc.llama_get_logits_ith(ctx._p, row)
             if not ptr:
                 raise EngineError(f"no logits for batch row {row}")
-            return int(np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,)).argmax())
+            logits = np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,))
+            if self.banned:
+                logits[self.banned] = -np.inf  # this row's buffer is overwritten by the next decode
+            return int(logits.argmax())
         return int(lc.llama_sampler_sample(self._p, ctx._p, row))
 
     def reset(self) -> None:

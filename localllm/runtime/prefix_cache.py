@@ -18,6 +18,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def kv_holds(pos_min: int, n: int, n_swa: int) -> bool:
+    """Whether a sequence whose KV memory starts at `pos_min` can continue after its first `n` tokens.
+
+    A sliding-window model (n_swa > 0) keeps only the last window of a sequence in its SWA layers:
+    llama.cpp overwrites older cells once they fall out of the window, even in idle sequences, and
+    saves only the window with a sequence's state. A new token at position n attends to positions
+    above n - n_swa, so those must still be there (the same bound llama-server checks). Other models
+    hold a sequence from position 0. pos_min -1 means the memory holds nothing of it.
+    """
+    if n <= 0:
+        return True
+    return 0 <= pos_min <= (max(0, n - n_swa) if n_swa > 0 else 0)
+
+
 def best_prefix(histories: dict[int, Sequence[int]], prompt: Sequence[int]) -> tuple[int | None, int]:
     """(key, shared length) of the history sharing the longest prefix with `prompt` (None, 0 if none)."""
     best, n_best = None, 0
@@ -35,39 +49,54 @@ class StateLRU:
         self.budget = budget_bytes
         self.used = 0
         self._items: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._pos_min: dict[tuple[int, ...], int] = {}  # the first position each saved state holds
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, tokens: Sequence[int], blob: bytes) -> bool:
+    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
+        """Park `blob`, the state of `tokens` whose KV starts at position `pos_min` (see kv_holds)."""
         key = tuple(tokens)
         if len(blob) > self.budget:
             return False
         if key in self._items:
-            self.used -= len(self._items.pop(key))
-        # a parked history that is a prefix of the new one is redundant
-        for k in [k for k in self._items if len(k) <= len(key) and key[:len(k)] == k]:
-            self.used -= len(self._items.pop(k))
+            self._drop(key)
+        # a parked history that is a prefix of the new one, and holds no earlier positions, is redundant
+        for k in [k for k in self._items if len(k) <= len(key) and key[:len(k)] == k
+                  and self._pos_min[k] >= pos_min]:
+            self._drop(k)
         while self.used + len(blob) > self.budget and self._items:
-            _, old = self._items.popitem(last=False)
-            self.used -= len(old)
+            self._drop(next(iter(self._items)))
         self._items[key] = blob
+        self._pos_min[key] = pos_min
         self.used += len(blob)
         return True
 
-    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...] | None, int]:
+    def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
+        """(key, reusable length) of the parked state that can serve the longest prefix of `prompt`.
+
+        The length is at most `cap`, and only counts where the saved KV still holds what the next
+        token attends to (kv_holds).
+        """
         best, n_best = None, 0
         for key in self._items:
             n = common_prefix(key, prompt)
-            if n > n_best:
+            if cap is not None:
+                n = min(n, cap)
+            if n > n_best and kv_holds(self._pos_min[key], n, n_swa):
                 best, n_best = key, n
         return best, n_best
 
     def take(self, key: tuple[int, ...]) -> bytes:
+        return self._drop(key)
+
+    def _drop(self, key: tuple[int, ...]) -> bytes:
         blob = self._items.pop(key)
+        del self._pos_min[key]
         self.used -= len(blob)
         return blob
 
     def clear(self) -> None:
         self._items.clear()
+        self._pos_min.clear()
         self.used = 0

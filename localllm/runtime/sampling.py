@@ -67,6 +67,7 @@ def build_chain(model: Model, params: GenerationParams, gbnf: str | None = None)
     """A fresh chain for one request; the caller owns it (close() when done)."""
     chain = SamplerChain()
     try:
+        chain.add_ban(model.n_vocab, model.media_tokens)  # text in, text out: no image placeholders
         if gbnf is not None:
             chain.add_grammar(model, gbnf)
         p = params

@@ -13,9 +13,11 @@ from localllm.runtime.types import Chunk, Result, Timings, Usage
 class Stream:
     """Chunks of one request, in order. Iterate, or call result(); cancel() stops it at the next step."""
 
-    def __init__(self, state: StreamState, request_id: str, wake: Callable[[], None]) -> None:
+    def __init__(self, state: StreamState, request_id: str, wake: Callable[[], None],
+                 prompt: list[int] | None = None) -> None:
         self._state = state
         self.id = request_id
+        self.prompt: list[int] = prompt or []  # the token ids that reach the model (after any truncation)
         self._wake = wake
         # an abandoned stream (dropped without reading to the end) cancels itself
         weakref.finalize(self, state.cancelled.set)

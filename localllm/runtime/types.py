@@ -68,7 +68,7 @@ class Request:
     json_schema: dict[str, Any] | str | None = None
     context_policy: ContextPolicy = "error"
     n_keep: int = 0  # prompt tokens kept on a shift (the system prompt); -1 keeps the whole prompt
-    add_special: bool = True  # add BOS when tokenizing a text prompt
+    add_special: bool = True  # BOS as the GGUF asks, exactly once (Model.tokenize): not again if the text has it
     parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
     ignore_eos: bool = False
     # speculative decoding, when the engine has a drafter: None = the engine's default, draft_max 0 = off
