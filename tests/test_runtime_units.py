@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from localllm.errors import InvalidInput
-from localllm.runtime.context_shift import effective_keep, fit_prompt, plan_shift
-from localllm.runtime.prefix_cache import StateLRU, best_prefix, common_prefix
+from localllm.runtime.context_shift import effective_keep, fit_prompt, plan_shared_shift, plan_shift
+from localllm.runtime.prefix_cache import StateLRU, common_prefix, kv_holds
 from localllm.runtime.sampling import validate
 from localllm.runtime.types import GenerationParams, Request, Timings
 
@@ -16,8 +16,6 @@ def test_common_prefix_blocks_and_tail() -> None:
     assert common_prefix(a, a) == 1000
     assert common_prefix(a, a[:130] + [-1] + a[131:]) == 130
     assert common_prefix([], a) == 0
-    assert best_prefix({0: a[:10], 1: a[:500], 2: [5]}, a) == (1, 500)
-    assert best_prefix({0: [7]}, a) == (None, 0)
 
 
 def test_state_lru_budget_and_redundant_prefixes() -> None:
@@ -31,6 +29,37 @@ def test_state_lru_budget_and_redundant_prefixes() -> None:
     assert lru.best([9, 9])[1] == 0 and lru.used == 80
     assert lru.take((1, 2, 3, 4)) == b"z" * 30 and lru.used == 50
     assert not lru.put([6], b"v" * 101)
+
+
+def test_kv_holds_what_the_next_token_attends_to() -> None:
+    # full attention: the memory must hold the sequence from position 0
+    assert kv_holds(0, 500, 0) and not kv_holds(3, 500, 0) and not kv_holds(-1, 1, 0)
+    assert kv_holds(-1, 0, 0)  # nothing reused, nothing needed
+    # a 512-token sliding window: reusing n tokens needs positions from n - 511 on
+    assert kv_holds(0, 1, 512) and not kv_holds(1, 1, 512)  # BOS alone, overwritten: issue 12's bug
+    assert kv_holds(489, 1000, 512) and not kv_holds(490, 1000, 512)
+    assert not kv_holds(-1, 700, 512)
+
+
+def test_state_lru_reuses_only_what_a_saved_window_holds() -> None:
+    lru = StateLRU(1000)
+    long = list(range(1000))
+    assert lru.put(long, b"s" * 100, pos_min=488)  # a sliding-window state saves only its last window
+    assert lru.best(long[:700] + [-1], n_swa=512) == (None, 0)  # would need positions from 189 on
+    assert lru.best(long[:999] + [-1], n_swa=512) == (tuple(long), 999)
+    assert lru.best(long + [-1], n_swa=512, cap=999) == (tuple(long), 999)
+    # a shorter history that still holds its start is not redundant beside the windowed one
+    assert lru.put(long[:300], b"t" * 50, pos_min=0) and len(lru) == 2
+    assert lru.best(long[:280] + [-1], n_swa=512) == (tuple(long[:300]), 280)
+    assert lru.put(long + [5], b"u" * 100, pos_min=600) and len(lru) == 3  # holds less than the first
+
+
+def test_shift_of_shared_cells() -> None:
+    mine = list(range(100))
+    others = [(mine[:60], False), (mine[:40] + [-1], True), ([7, 8], False), (mine[:5], False)]
+    d, cut = plan_shared_shift(mine, 10, others)
+    assert cut == [0] and d == 45  # half of the 90 after n_keep, and at least the 30 shared with the active one
+    assert plan_shared_shift(mine, 10, [(mine, True)]) == (90, [])
 
 
 def test_shift_planning() -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.errors import ContextOverflow
+from localllm.runtime.prefix_cache import common_prefix
 from localllm.runtime.types import Notice, Request
 
 
@@ -24,6 +25,27 @@ def effective_keep(n_keep: int, n_prompt: int, n_ctx: int) -> int:
 def plan_shift(n_tokens: int, n_keep: int) -> int:
     """Tokens to discard after the first n_keep: the oldest half of the rest (llama.cpp's rule)."""
     return max(1, (n_tokens - n_keep) // 2)
+
+
+def plan_shared_shift(tokens: list[int], n_keep: int,
+                      others: list[tuple[list[int], bool]]) -> tuple[int, list[int]]:
+    """(d, cut) for shifting a sequence whose history is `tokens`, given the other slots' (history, active).
+
+    Cells shared with another sequence (a prefix copied by seq_cp) hold one position for all of them:
+    seq_add would move them for the other sequence too. Idle sharers (indexes in `cut`) give up their
+    tail after n_keep; for active ones the shift discards at least the whole shared part beyond n_keep.
+    """
+    d = plan_shift(len(tokens), n_keep)
+    cut = []
+    for i, (hist, active) in enumerate(others):
+        shared = common_prefix(tokens, hist)
+        if shared <= n_keep:
+            continue
+        if active:
+            d = max(d, shared - n_keep)
+        else:
+            cut.append(i)
+    return min(d, len(tokens) - n_keep), cut
 
 
 def fit_prompt(prompt: list[int], n_ctx: int, n_keep: int, reserve: int) -> PromptFit:

@@ -247,19 +247,14 @@ class Engine:
 
     def _admit(self, job: Job, now: float) -> None:
         """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any.
-
-        A prefix counts only as far as the KV memory still holds what the next token attends to
-        (kv_holds: a sliding-window model forgets old cells of idle sequences too).
-        """
+        A prefix counts only where the KV memory still holds what follows it needs (kv_holds)."""
         prompt = job.prompt
         cap = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
         free = [s for s in self.slots if s.job is None]
         dst = max(free, key=lambda s: (self._reusable(s, prompt, cap), -s.last_used))
         n = self._reusable(dst, prompt, cap)
-        src, n_src = None, 0
-        for s in self.slots:
-            if s.job is not None and (m := self._reusable(s, prompt, cap)) > n_src:
-                src, n_src = s, m
+        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap), default=None)
+        n_src = self._reusable(src, prompt, cap) if src is not None else 0
         key, n_park = self._parked.best(prompt, self._n_swa, cap)
         if max(n_src, n_park) >= n + _REUSE_MIN:
             self._park(dst, keep=0)
@@ -333,25 +328,14 @@ class Engine:
         job = s.job
         assert job is not None
         k = job.n_keep
-        d = context_shift.plan_shift(len(s.tokens), k)
-        # Cells shared with another sequence (a prefix copied by seq_cp) hold one position for all of
-        # them: seq_add would move them for the other sequence too. Idle sharers give up their tail;
-        # for active ones the shift discards at least the whole shared part beyond n_keep.
-        for t in self.slots:
-            if t is s:
-                continue
-            shared = common_prefix(s.tokens, t.tokens)
-            if shared <= k:
-                continue
-            if t.job is None:
-                if self.ctx.seq_rm(t.id, k, -1):
-                    t.tokens = t.tokens[:k]
-                else:
-                    self.ctx.seq_rm(t.id)
-                    t.tokens = []
+        others = [t for t in self.slots if t is not s]
+        d, cut = context_shift.plan_shared_shift(s.tokens, k, [(t.tokens, t.job is not None) for t in others])
+        for t in (others[i] for i in cut):  # idle sharers of the cells beyond n_keep give up their tail
+            if self.ctx.seq_rm(t.id, k, -1):
+                t.tokens = t.tokens[:k]
             else:
-                d = max(d, shared - k)
-        d = min(d, len(s.tokens) - k)
+                self.ctx.seq_rm(t.id)
+                t.tokens = []
         if not self.ctx.seq_rm(s.id, k, k + d):
             raise EngineError("the KV cache refused to drop tokens for a context shift")
         self.ctx.seq_add(s.id, k + d, -1, -d)

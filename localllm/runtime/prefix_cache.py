@@ -24,22 +24,13 @@ def kv_holds(pos_min: int, n: int, n_swa: int) -> bool:
     A sliding-window model (n_swa > 0) keeps only the last window of a sequence in its SWA layers:
     llama.cpp overwrites older cells once they fall out of the window, even in idle sequences, and
     saves only the window with a sequence's state. A new token at position n attends to positions
-    above n - n_swa, so those must still be there (the same bound llama-server checks). Other models
-    hold a sequence from position 0. pos_min -1 means the memory holds nothing of it.
+    from n - n_swa + 1 on (llama.cpp's is_masked_swa), so those must still be there; llama-server
+    checks the same bound, one position stricter, which would refuse the exact repeat of a parked
+    prompt. Other models hold a sequence from position 0. pos_min -1: the memory holds nothing of it.
     """
     if n <= 0:
         return True
-    return 0 <= pos_min <= (max(0, n - n_swa) if n_swa > 0 else 0)
-
-
-def best_prefix(histories: dict[int, Sequence[int]], prompt: Sequence[int]) -> tuple[int | None, int]:
-    """(key, shared length) of the history sharing the longest prefix with `prompt` (None, 0 if none)."""
-    best, n_best = None, 0
-    for key, hist in histories.items():
-        n = common_prefix(hist, prompt)
-        if n > n_best:
-            best, n_best = key, n
-    return best, n_best
+    return 0 <= pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
 
 
 class StateLRU:
