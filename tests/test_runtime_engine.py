@@ -167,6 +167,23 @@ def test_parked_state_is_restored(tiny_path: Path) -> None:
             assert fresh.generate(Request(a + ra.tokens + [300], GREEDY, max_tokens=5)).tokens == r.tokens
 
 
+def test_restoring_while_the_state_cache_is_full(tiny_path: Path) -> None:
+    """Parking the slot's current history can evict the very state being restored (room for one):
+    the state is taken out first, so the request is served instead of failing with a KeyError."""
+    with Engine(tiny_path, n_ctx=1024, slots=1, min_park_tokens=32) as probe:
+        a = probe.tokenize("hello world " * 30)
+        probe.generate(Request(a, GREEDY, max_tokens=5))
+        one_state = len(probe.ctx.state_seq_get(0))
+    with Engine(tiny_path, n_ctx=1024, slots=1, min_park_tokens=32, state_cache_bytes=one_state * 3 // 2) as e:
+        ra = e.generate(Request(a, GREEDY, max_tokens=5))
+        e.generate(Request(e.tokenize("foo bar " * 30), GREEDY, max_tokens=5))  # parks a
+        r = e.generate(Request(a + ra.tokens + [300], GREEDY, max_tokens=5))  # parks the foo-bar history
+        assert e.stats()["restored"] == 1 and r.finish_reason == "length"
+        assert r.usage.cached_tokens == len(a) + len(ra.tokens) - 1
+        with Engine(tiny_path, n_ctx=1024, slots=1) as fresh:
+            assert fresh.generate(Request(a + ra.tokens + [300], GREEDY, max_tokens=5)).tokens == r.tokens
+
+
 def test_breaking_out_of_a_stream_cancels_it(engine: Engine) -> None:
     s = engine.submit(Request("break", GREEDY, max_tokens=None, context_policy="shift"))
     for i, _ in enumerate(s):

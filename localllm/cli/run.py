@@ -246,16 +246,39 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
 @click.option("--draft-max", type=int, default=16, show_default=True, help="With --spec: most tokens drafted per step.")
 @click.option("--soak", type=float, metavar="SECONDS", help="Instead: the largest --clients count for SECONDS "
               "over HTTP; reports requests, errors and server RSS.")
+@click.option("--fuzz", type=float, metavar="SECONDS", help="Instead: a seeded differential fuzzer for SECONDS: "
+              "random request sequences (concurrency, shared prefixes, cancels, parked states, context shifts, "
+              "drafting) whose greedy probes must match a fresh llama.cpp context; exits 1 on a mismatch "
+              "(--ctx defaults to 1024 here).")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, http: bool, clients: str, vs_llama_cpp_server: bool, soak: float | None, spec: bool,
-          draft: str | None, draft_max: int) -> None:
+          draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
     With --quants: size, bytes/weight, perplexity, prompt and decode tok/s and peak RSS per quant type.
     With --http: streaming HTTP load against `localllm serve` vs the in-process engine and llama_cpp.server.
     With --spec: decode tok/s with no drafting, prompt lookup and a draft model; acceptance; verification cost.
+    With --fuzz: requests run, probes checked, near-ties and mismatches against a fresh llama.cpp context.
     """
     import json
+
+    if fuzz:
+        from localllm import bench_fuzz
+
+        path, _ = resolve_model(model)
+        source = click.get_current_context().get_parameter_source("ctx")
+        n_ctx = ctx if source is not None and source.name != "DEFAULT" else 1024
+        click.echo(f"fuzzing the engine on {model} for {fuzz:g} s (seed {seed}, ctx {n_ctx})...", err=True)
+        rep = bench_fuzz.fuzz(path, seconds=fuzz, seed=seed, n_ctx=n_ctx, threads=threads or 2,
+                              log=lambda m: click.echo(m, err=True))
+        if as_json:
+            click.echo(json.dumps(rep.as_dict(), indent=2, default=str))
+        else:
+            bench_fuzz.print_table(rep, title=f"differential fuzz of the engine — {Path(model).name}, seed {seed}")
+        if rep.mismatches or rep.errors:
+            raise SystemExit(1)
+        return
 
     if spec:
         from localllm import bench_spec

@@ -13,11 +13,11 @@ from typing import Any
 
 class LlamaBaseline:
     def __init__(self, path: str | Path, *, n_ctx: int, threads: int, n_batch: int = 512,
-                 n_gpu_layers: int = 0) -> None:
+                 n_gpu_layers: int = 0, **llama_kwargs: Any) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,
-                         n_gpu_layers=n_gpu_layers, verbose=False)
+                         n_gpu_layers=n_gpu_layers, verbose=False, **llama_kwargs)
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), special=True)
@@ -41,6 +41,19 @@ class LlamaBaseline:
         total = sum(self.run(p, max_tokens)["tokens"] for p in prompts)
         wall = time.perf_counter() - t0
         return {"tokens": total, "wall_s": wall, "aggregate_tps": total / wall}
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        """n greedy tokens after the token ids `tokens` on a fresh context (EOG included, as Llama.generate
+        yields them): what llama-cpp-python's own class answers, for checking runtime/reference.py."""
+        self.llm.reset()
+        out: list[int] = []
+        if n <= 0:
+            return out
+        for tok in self.llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= n:
+                break
+        return out
 
     def reset(self) -> None:
         self.llm.reset()  # forget the cached prefix: the next prompt is a cold prefill

@@ -257,16 +257,18 @@ class Engine:
         n_src = self._reusable(src, prompt, cap) if src is not None else 0
         key, n_park = self._parked.best(prompt, self._n_swa, cap)
         if max(n_src, n_park) >= n + _REUSE_MIN:
+            copy = n_src >= n_park and src is not None
+            blob = None if copy else self._parked.take(key)  # type: ignore[arg-type] - before parking dst evicts it
             self._park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
             dst.tokens = []
-            if n_src >= n_park and src is not None:
+            if copy:
                 self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
                 dst.tokens = src.tokens[:n_src]
                 self._counters["copied_prefix"] += 1
             else:
                 try:
-                    self.ctx.state_seq_set(dst.id, self._parked.take(key))  # type: ignore[arg-type]
+                    self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
                     dst.tokens = list(key)  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                 except EngineError:  # no room in the KV cache for it: prefill instead
