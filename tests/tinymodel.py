@@ -10,6 +10,7 @@ well separated: greedy decoding is stable between batched and single-sequence ke
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,35 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return toks, scores, [int(t) for t in types]
 
 
+def _write_vocab(w: Any, n_vocab: int, add_bos: bool) -> list[int]:
+    """The SentencePiece-style vocabulary and special-token keys; returns the token types."""
+    toks, scores, types = _vocab(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(False)
+    return types
+
+
+def _finish(w: Any, out: np.ndarray, types: list[int]) -> None:
+    """Write output.weight and close the file."""
+    import gguf
+
+    out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
+    out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0
+    w.add_tensor("output.weight", out)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_layer: int = 2,
                    n_head: int = 4, n_head_kv: int = 2, n_ff: int | None = None, n_ctx_train: int = 2048,
                    dtype: str = "F32", seed: int = 0, chat_template: str | None = None,
@@ -73,17 +103,7 @@ def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "F16" else gguf.LlamaFileType.ALL_F32)
-    toks, scores, types = _vocab(n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(UNK)
-    w.add_add_bos_token(add_bos)
-    w.add_add_eos_token(False)
+    types = _write_vocab(w, n_vocab, add_bos)
     if chat_template:
         w.add_chat_template(chat_template)
 
@@ -107,15 +127,7 @@ def make_tiny_gguf(path: str | Path, *, n_vocab: int = 512, n_embd: int = 64, n_
         w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s))
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
     w.add_tensor("output_norm.weight", norm())
-    out = mat(n_vocab, n_embd, 1.0)
-    out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
-    out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0
-    w.add_tensor("output.weight", out)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, mat(n_vocab, n_embd, 1.0), types)
     return path
 
 
@@ -153,17 +165,7 @@ def make_tiny_gemma3_gguf(path: str | Path, *, n_swa: int = 32, n_layer: int = 6
     w.add_sliding_window(n_swa)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    toks, scores, types = _vocab(n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(UNK)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    types = _write_vocab(w, n_vocab, True)
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -190,13 +192,5 @@ def make_tiny_gemma3_gguf(path: str | Path, *, n_swa: int = 32, n_layer: int = 6
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
         w.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(n_embd))
     w.add_tensor("output_norm.weight", norm(n_embd))
-    out = mat(n_vocab, n_embd, 1.0)
-    out[[UNK, BOS, EOS]] = 0  # control tokens are never the argmax: generations run to max_tokens
-    out[np.array(types) == int(gguf.TokenType.UNUSED)] = 0
-    w.add_tensor("output.weight", out)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, mat(n_vocab, n_embd, 1.0), types)
     return path
