@@ -143,6 +143,7 @@ class Traffic:
         n = self.rng.randint(4, self.probe_tokens)
         while not self.fits(tokens, n) and len(tokens) > 8:
             tokens = tokens[: len(tokens) // 2]
+        kw.setdefault("ignore_eos", self.rng.random() < 0.5)  # else the stop at EOG is checked too
         return Item(tokens, n, "probe:" + kind, probe=True, draft_max=self.draft_max(), **kw)
 
     def draft_max(self) -> int | None:

@@ -32,8 +32,8 @@ def test_state_lru_budget_and_redundant_prefixes() -> None:
 
 
 def test_kv_holds_what_the_next_token_attends_to() -> None:
-    # full attention: the memory must hold the sequence from position 0
-    assert kv_holds(0, 500, 0) and not kv_holds(3, 500, 0) and not kv_holds(-1, 1, 0)
+    # no sliding window: whatever the memory holds serves (a recurrent memory's pos_min is its last position)
+    assert kv_holds(0, 500, 0) and kv_holds(499, 500, 0) and not kv_holds(-1, 1, 0)
     assert kv_holds(-1, 0, 0)  # nothing reused, nothing needed
     # a 512-token sliding window: reusing n tokens needs positions from n - 511 on
     assert kv_holds(0, 1, 512) and not kv_holds(1, 1, 512)  # BOS alone, overwritten: issue 12's bug

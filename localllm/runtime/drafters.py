@@ -95,6 +95,9 @@ def _top(row: np.ndarray) -> tuple[int, float]:
     return i, float(1.0 / np.exp(row - row[i]).sum())
 
 
+_DRAFT_WINDOW_SLACK = 64  # positions, above the usual draft_max (16); see DraftModel._usable
+
+
 class DraftModel:
     """A small model with the target's vocabulary, one sequence per target slot.
 
@@ -192,8 +195,12 @@ class DraftModel:
         return [(t, last[t.slot]) for t in tasks if t.slot in last]
 
     def _usable(self, slot: int, n: int) -> int:
-        """n, or 0 where the draft KV of `slot` no longer holds what follows its first n tokens needs."""
-        return n if kv_holds(self.ctx.seq_pos_min(slot), n, self.model.n_swa) else 0
+        """n, or 0 where the draft KV of `slot` no longer holds what follows its first n tokens needs.
+
+        Drafting one position per decode overwrites the slot's own oldest window cells, so after a
+        rejection the far edge of the window may miss up to draft_max positions: tolerated (drafts
+        only steer acceptance, never the output), a prefix whose window is gone is not."""
+        return n if kv_holds(self.ctx.seq_pos_min(slot), n + _DRAFT_WINDOW_SLACK, self.model.n_swa) else 0
 
     def _extend(self, ready: list[tuple[DraftTask, int]]) -> None:
         """Greedy drafts, all ready slots in one batch per draft position."""

@@ -26,11 +26,12 @@ def kv_holds(pos_min: int, n: int, n_swa: int) -> bool:
     saves only the window with a sequence's state. A new token at position n attends to positions
     from n - n_swa + 1 on (llama.cpp's is_masked_swa), so those must still be there; llama-server
     checks the same bound, one position stricter, which would refuse the exact repeat of a parked
-    prompt. Other models hold a sequence from position 0. pos_min -1: the memory holds nothing of it.
+    prompt. Other memories hold what they hold (a recurrent one reports its last position as pos_min);
+    pos_min -1: the memory holds nothing of the sequence.
     """
     if n <= 0:
         return True
-    return 0 <= pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
+    return 0 <= pos_min <= max(0, n - n_swa + 1) if n_swa > 0 else pos_min >= 0
 
 
 class StateLRU:

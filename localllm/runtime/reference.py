@@ -201,6 +201,8 @@ def compare(ref: Reference, prompt: Sequence[int], got: Sequence[int], *, n: int
             continue
         if (e is None and len(exp) >= n) or (g is None and len(got) >= n):
             break  # one side simply reached n tokens
+        if g is not None and g in ref.model.media_tokens:  # never right, whatever its logit
+            return Verdict("mismatch", exp, got, i, float("inf"))
         row = ref.logits(list(prompt) + exp[:i])
         score_e = ref.best_eog_logit(row) if e is None else float(row[e])
         score_g = ref.best_eog_logit(row) if g is None else float(row[g])
