@@ -80,8 +80,7 @@ class _Fuzzer(Traffic):
         self.log = log
         self.ref = Reference(model_path, n_ctx=n_ctx, threads=threads, n_batch=engine_kwargs.get("n_batch", 512),
                              kv_type=engine_kwargs.get("kv_type", "f16"), flash_attn=engine_kwargs.get("flash_attn"))
-        m = self.ref.model
-        self.n_swa = int(getattr(m, "n_swa", 0) or self._meta_int("attention.sliding_window") or 0)
+        self.n_swa = self.ref.model.n_swa
         self.window = self.n_swa or 128  # "long" prompts are longer than this
         self.report = FuzzReport()
         self._ref_cache: dict[tuple[tuple[int, ...], bool], tuple[list[int], int]] = {}

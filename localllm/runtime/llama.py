@@ -234,7 +234,7 @@ class SamplerChain:
         if not self._p:
             raise EngineError("could not create a sampler chain")
         self.greedy_only = False  # set by runtime.sampling when the chain is plain argmax
-        self.banned: list[int] = []  # tokens masked before the greedy fast path's argmax
+        self.banned = np.empty(0, dtype=np.intp)  # tokens masked before the greedy fast path's argmax
 
     def _add(self, smpl: Any, what: str) -> None:
         if not smpl:  # a NULL sampler in a chain segfaults on first use
@@ -243,7 +243,7 @@ class SamplerChain:
 
     def add_ban(self, n_vocab: int, tokens: list[int]) -> None:
         """Never sample `tokens` (logit bias -inf), whatever follows in the chain."""
-        self.banned = list(tokens)
+        self.banned = np.array(tokens, dtype=np.intp)  # indexed on every greedy token: converted once
         if not tokens:
             return
         biases = (lc.llama_logit_bias * len(tokens))(*[lc.llama_logit_bias(t, float("-inf")) for t in tokens])
@@ -289,7 +289,7 @@ class SamplerChain:
             if not ptr:
                 raise EngineError(f"no logits for batch row {row}")
             logits = np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,))
-            if self.banned:
+            if self.banned.size:
                 logits[self.banned] = -np.inf  # this row's buffer is overwritten by the next decode
             return int(logits.argmax())
         return int(lc.llama_sampler_sample(self._p, ctx._p, row))

@@ -75,25 +75,9 @@ class Reference:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special=add_special)
 
-    def _prefill(self, tokens: Sequence[int]) -> np.ndarray:
-        """Clear the memory, decode `tokens` from position 0; the logits row after the last one (a view)."""
-        if not tokens:
-            raise InvalidInput("the reference needs at least one prompt token")
-        if len(tokens) > self.n_ctx:
-            raise InvalidInput(f"{len(tokens)} tokens do not fit the reference context ({self.n_ctx})")
-        self.ctx.clear()
-        b = self._batch
-        for start in range(0, len(tokens), self.n_batch):
-            b.clear()
-            part = tokens[start:start + self.n_batch]
-            for j, t in enumerate(part):
-                b.add(int(t), start + j, 0, start + j == len(tokens) - 1)
-            self.ctx.decode(b)
-        return self.ctx.logits_row(b.n_tokens - 1)
-
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The logits after `tokens` on a fresh context (a copy)."""
-        return np.array(self._prefill(tokens), dtype=np.float32)
+        return self.rows(tokens, 1)[0]
 
     def rows(self, tokens: Sequence[int], k: int) -> np.ndarray:
         """The logits after each of the last k prefixes of `tokens` (k × n_vocab, one fresh prefill)."""
@@ -118,25 +102,24 @@ class Reference:
                 out[i] = self.ctx.logits_row(row)
         return out
 
+    def _pick(self, row: np.ndarray) -> int:
+        """The greedy choice from a logits row (modified): image placeholders are never sampled, as in
+        the engine (runtime/llama.py MEDIA_PLACEHOLDERS)."""
+        row[self.model.media_tokens] = -np.inf
+        return int(row.argmax())
+
     def _best(self, row: np.ndarray) -> float:
-        """The highest logit a generation could pick (image placeholders are never sampled)."""
-        media = getattr(self.model, "media_tokens", None)
-        if media:
-            row = row.copy()
-            row[media] = -np.inf
-        return float(row.max())
+        """The highest logit a generation could pick."""
+        return float(row[self._pick(row.copy())])
 
     def greedy(self, tokens: Sequence[int], n: int, *, ignore_eos: bool = False) -> list[int]:
         """Up to n greedy tokens after `tokens`; stops before an EOG token unless ignore_eos (as the engine)."""
-        row = self._prefill(tokens)
+        row = self.logits(tokens)
         out: list[int] = []
         pos = len(tokens)
         b = self._batch
         while len(out) < n:
-            media = getattr(self.model, "media_tokens", None)  # getattr: older Models lack it
-            if media:  # the engine never samples them (runtime/llama.py MEDIA_PLACEHOLDERS)
-                row[media] = -np.inf
-            tok = int(row.argmax())
+            tok = self._pick(row)
             if self.model.is_eog(tok) and not ignore_eos:
                 break
             out.append(tok)
