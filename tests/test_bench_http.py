@@ -12,7 +12,7 @@ from test_server_harness import TINY, install
 
 @pytest.fixture
 def tiny_installed(tiny_path: Path, localllm_home: Path) -> str:
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     install(Store(), tiny_path, TINY)
     return TINY
@@ -24,7 +24,7 @@ def _no_children() -> bool:
 
 
 def test_run_and_table(tiny_installed: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from localllm import bench_http
+    from localllm.bench import http as bench_http
 
     res = bench_http.run(tiny_installed, clients=[1, 2], gen=8, threads=1, ctx=512, vs_llama_cpp_server=False,
                          per_client=1)
@@ -39,7 +39,7 @@ def test_run_and_table(tiny_installed: str, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_soak_counts_requests_and_rss(tiny_installed: str) -> None:
-    from localllm import bench_http
+    from localllm.bench import http as bench_http
 
     res = bench_http.soak(tiny_installed, seconds=2, clients=3, gen=4, threads=1, ctx=512)
     assert _no_children()
@@ -51,7 +51,7 @@ def test_soak_counts_requests_and_rss(tiny_installed: str) -> None:
 def test_server_that_fails_to_start_is_reported(tmp_path: Path) -> None:
     import sys
 
-    from localllm import bench_http
+    from localllm.bench import http as bench_http
 
     cmd = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match="exited with 3: boom"), \
@@ -61,7 +61,7 @@ def test_server_that_fails_to_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_percentiles_and_requests() -> None:
-    from localllm.bench_http import Target, _pct
+    from localllm.bench.http import Target, _pct
 
     assert _pct([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0 and _pct([1.0, 2.0], 95) == pytest.approx(1.95)
     path, body = Target("x", "http://h", "m", "localllm").request("p", 5)

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from localllm import config
-from localllm.catalog import Catalog, normalize, parse_name
 from localllm.errors import InvalidInput, InvalidModelName, ModelNotFound, NotGGUF, StoreError
-from localllm.gguf_meta import model_info, read_gguf
-from localllm.store import Manifest, Store, sha256_file
+from localllm.models.catalog import Catalog
+from localllm.models.gguf_meta import model_info, read_gguf
+from localllm.models.names import normalize, parse_name
+from localllm.models.store import Manifest, Store, sha256_file
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "../x", "a/../b", "/etc/passwd", "x:", "x:../y", "a\\b", "a b",
@@ -145,7 +146,7 @@ def test_commit_with_wrong_digest_leaves_store_untouched(tmp_path: Path) -> None
 def test_model_in_use_by_another_process_is_not_deleted(tmp_path: Path) -> None:
     store = Store()
     man = _blob(store, tmp_path, b"weights" * 100, "busy:1")
-    code = ("import sys, time; from localllm.store import Store\n"
+    code = ("import sys, time; from localllm.models.store import Store\n"
             "with Store().in_use('busy:1'):\n    print('ready', flush=True); time.sleep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from localllm.cli import cli
-from localllm.doctor import MachineFacts, build_backends, diagnose
+from localllm.machine.doctor import MachineFacts, build_backends, diagnose
 
 CPU_BUILD = {"llama_cpp_python": "0.3.36", "system_info": "CPU : AVX2 = 1", "gpu_offload": False,
              "backends": ["CPU"], "devices": [{"index": 0, "name": "CPU", "description": "x", "type": "CPU"}],

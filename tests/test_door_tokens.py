@@ -109,7 +109,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> 
 def home_models(files: dict[str, Path], localllm_home: Path) -> None:
     """The three models installed in this test's LOCALLLM_HOME, with their catalog entries."""
     from localllm import config
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     store = Store()
     for name, path in files.items():

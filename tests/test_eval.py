@@ -64,7 +64,7 @@ def test_cli_eval_ppl_json(tiny: Path, tmp_path: Path) -> None:
 def test_bench_quants_ladder_on_k_quant_friendly_model(tmp_path: Path) -> None:
     from test_quantize import write_tiny_llama
 
-    from localllm.bench_quants import BenchQuantsArgs, run_ladder
+    from localllm.bench.quants import BenchQuantsArgs, run_ladder
 
     src = write_tiny_llama(tmp_path / "src.gguf")
     text = tmp_path / "t.txt"
@@ -81,7 +81,7 @@ def test_bench_quants_ladder_on_k_quant_friendly_model(tmp_path: Path) -> None:
 
 
 def test_bench_quants_rejects_unknown_type(tmp_path: Path) -> None:
-    from localllm.bench_quants import BenchQuantsArgs, run_ladder
+    from localllm.bench.quants import BenchQuantsArgs, run_ladder
     from localllm.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match="Q9_K"):
@@ -98,7 +98,7 @@ def test_wheel_includes_eval_text(tmp_path: Path) -> None:
     names = zipfile.ZipFile(next(tmp_path.glob("localllm-*.whl"))).namelist()
     assert "localllm/data/eval/founding-documents.txt" in names
     assert "localllm/data/eval/README.md" in names
-    assert "localllm/runtime/perplexity.py" in names and "localllm/bench_quants.py" in names
+    assert "localllm/runtime/perplexity.py" in names and "localllm/bench/quants.py" in names
 
 
 def test_bench_command_quants_flag_reaches_the_ladder(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tinymodel import make_tiny_gemma3_gguf
 
-from localllm.bench_fuzz import fuzz
+from localllm.bench.fuzz import fuzz
 from localllm.runtime.baseline import LlamaBaseline
 from localllm.runtime.engine import Engine
 from localllm.runtime.llama import Context

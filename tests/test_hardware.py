@@ -7,18 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from localllm.cli.render import fit_rows
 from localllm.errors import InvalidInput
-from localllm.gguf_meta import ModelInfo, model_info
-from localllm.hardware import (
-    GPU_HEADROOM,
-    Device,
-    detect_devices,
-    kv_bytes_per_token,
-    kv_cache_bytes,
-    plan_fit,
-    ram,
-    swa_layers,
-)
+from localllm.machine.fit import GPU_HEADROOM, kv_bytes_per_token, kv_cache_bytes, plan_fit, swa_layers
+from localllm.machine.probe import Device, detect_devices, ram
+from localllm.models.gguf_meta import ModelInfo, model_info
 
 MiB, GiB = 2**20, 2**30
 CPU_ONLY = [Device("CPU", "cpu", 64 * GiB, 64 * GiB)]
@@ -91,14 +84,14 @@ def test_real_gemma_plan(gemma: ModelInfo) -> None:
     assert (plan.n_gpu_layers, plan.n_ctx, plan.kv_type, plan.fits) == (0, 8192, "f16", True)
     assert plan.kv_bytes == 144 * MiB
     assert plan.weights_bytes == plan.weights_cpu_bytes == sum(gemma.layer_bytes) + gemma.other_bytes
-    rows = dict(plan.rows())
+    rows = dict(fit_rows(plan))
     assert rows["fits"] == "yes" and "chosen" in rows["n_ctx"]
     json.dumps(plan.as_dict())
 
     tiny = plan_fit(gemma, ram_available=300 * MiB, devices=CPU_ONLY)
     assert not tiny.fits and tiny.n_ctx == 256
     assert any("RAM" in w for w in tiny.warnings)
-    assert ("fits", "NO") in tiny.rows()
+    assert ("fits", "NO") in fit_rows(tiny)
 
 
 def test_real_gemma_full_offload_duplicates_tied_output(gemma: ModelInfo) -> None:
@@ -239,7 +232,7 @@ def test_nvidia_smi_is_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_apple_silicon_is_a_unified_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import localllm.hardware as hw
+    import localllm.machine.probe as hw
 
     monkeypatch.setattr(hw, "_nvidia_smi", list)
     monkeypatch.setattr(hw.platform, "system", lambda: "Darwin")

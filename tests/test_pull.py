@@ -16,8 +16,6 @@ from hfserver import COMMIT, FakeHub
 from tinymodel import make_tiny_gguf
 
 from localllm import config
-from localllm import pull as pull_mod
-from localllm.catalog import Catalog, Source
 from localllm.errors import (
     DiskSpaceError,
     GatedRepo,
@@ -27,9 +25,11 @@ from localllm.errors import (
     PullError,
     RemoteNotFound,
 )
-from localllm.gguf_meta import read_gguf
-from localllm.pull import pull
-from localllm.store import Store
+from localllm.models import hub as hub_mod
+from localllm.models.catalog import Catalog, Source
+from localllm.models.gguf_meta import read_gguf
+from localllm.models.pull import pull
+from localllm.models.store import Store
 
 REPO, FILE = "acme/Tiny-GGUF", "tiny-Q4_K_M.gguf"
 
@@ -254,13 +254,13 @@ def test_disk_full_mid_download_keeps_partial(hub: FakeHub, model_bytes: bytes,
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    monkeypatch.setattr(pull_mod, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)  # noqa: SIM115
+    monkeypatch.setattr(hub_mod, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)  # noqa: SIM115
     with pytest.raises(DiskSpaceError, match="disk full"):
         pull(src())
     assert Store().list() == [] and not Store().blobs.exists()
     kept = partials()
     assert len(kept) == 1 and kept[0].stat().st_size == room
-    monkeypatch.delattr(pull_mod, "open")
+    monkeypatch.delattr(hub_mod, "open")
     res = pull(src())
     assert res.resumed_from == room and Store().model_path("tiny:1b").read_bytes() == model_bytes
 
@@ -297,8 +297,8 @@ def test_two_processes_pull_the_same_model(hub: FakeHub, model_bytes: bytes, tmp
     go = tmp_path / "go"
     script = (
         "import json, sys, time, pathlib\n"
-        "from localllm.catalog import Source\n"
-        "from localllm.pull import pull\n"
+        "from localllm.models.catalog import Source\n"
+        "from localllm.models.pull import pull\n"
         "import huggingface_hub\n"
         f"pathlib.Path(sys.argv[1] + '.ready').touch()\n"
         f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"

@@ -18,12 +18,12 @@ from hfserver import FakeHub
 from tinymodel import make_tiny_gguf
 
 from localllm import config
-from localllm.catalog import Catalog
 from localllm.errors import DiskSpaceError, InvalidInput, RemoteNotFound
-from localllm.gguf_meta import read_gguf
-from localllm.pull import pull
-from localllm.quantize import FTYPES, TOOL
-from localllm.store import Store
+from localllm.models.catalog import Catalog
+from localllm.models.gguf_meta import read_gguf
+from localllm.models.pull import pull
+from localllm.models.quantize import FTYPES, TOOL
+from localllm.models.store import Store
 
 REPO, F16, Q8 = "acme/Tiny-GGUF", "tiny-f16.gguf", "tiny-Q8_0.gguf"
 CATALOG = f"""

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from localllm.errors import InvalidInput, NotGGUF
-from localllm.gguf_meta import read_gguf
-from localllm.quantize import FTYPES, dequantize_to_f16, quantize, quantize_into_store
-from localllm.store import Store
+from localllm.models.gguf_meta import read_gguf
+from localllm.models.quantize import FTYPES, dequantize_to_f16, quantize, quantize_into_store
+from localllm.models.store import Store
 
 
 def write_tiny_llama(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 2, seed: int = 0) -> Path:

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 def install(store: Any, src: Path, name: str) -> None:
-    from localllm.store import Manifest
+    from localllm.models.store import Manifest
 
     digest, size = store.commit_blob(src, move=False)
     store.write_manifest(Manifest(name=name, digest=digest, size=size))
@@ -49,10 +49,10 @@ def install(store: Any, src: Path, name: str) -> None:
 def start_server(root: Path, **settings_kw: Any) -> tuple[Server, Any, threading.Thread]:
     import uvicorn
 
-    from localllm.catalog import Catalog
     from localllm.config import Settings
+    from localllm.models.catalog import Catalog
+    from localllm.models.store import Store
     from localllm.server.app import create_app
-    from localllm.store import Store
 
     store = Store(root / "models")
     install(store, make_tiny_gguf(root / "tiny.gguf"), TINY)

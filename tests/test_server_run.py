@@ -28,7 +28,7 @@ def predicted(srv: Server) -> int:  # noqa: F811
 
 def install_locally(tmp_path: Path) -> None:
     """tiny:latest in this test's LOCALLLM_HOME store, so the in-process path can find it by name."""
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     install(Store(), make_tiny_gguf(tmp_path / "tiny.gguf"), TINY)
 

@@ -22,10 +22,10 @@ from test_server_harness import FIM, TINY, install
 def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tinymodel import make_tiny_gguf
 
-    from localllm.catalog import Catalog
     from localllm.config import Settings
+    from localllm.models.catalog import Catalog
+    from localllm.models.store import Store
     from localllm.server.app import create_app
-    from localllm.store import Store
 
     root: Path = tmp_path_factory.mktemp("fuzz")
     store = Store(root / "models")

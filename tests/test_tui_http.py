@@ -14,7 +14,7 @@ pytest.importorskip("textual")
 from test_server_harness import TINY, Server, free_port, srv  # noqa: F401 - fixture
 from test_tui import replies, send, wait_for
 
-from localllm.client import find_server
+from localllm.cli.client import find_server
 from localllm.errors import InvalidInput, LocalLLMError, ModelNotFound
 from localllm.tui.app import create_app
 from localllm.tui.backend import ChatSettings

@@ -23,15 +23,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cp": ("localllm.cli.models", "cp", "Copy a model to a new name (no new file is written)."),
     "prune": ("localllm.cli.models", "prune", "Delete model files no name points at."),
     "run": ("localllm.cli.run", "run", "Run a model on a prompt, piped stdin, or interactively."),
-    "bench": ("localllm.cli.run", "bench", "Benchmark the engine against llama-cpp-python's Llama class."),
+    "bench": ("localllm.cli.bench", "bench", "Benchmark the engine against llama-cpp-python's Llama class."),
     "serve": ("localllm.cli.serve", "serve", "Serve models over HTTP (OpenAI, Ollama and llama.cpp /infill dialects)."),
     "ps": ("localllm.cli.serve", "ps", "Show the models a running server has loaded."),
     "quantize": ("localllm.cli.quantize", "quantize", "Quantize a model with llama.cpp (Q2_K … Q8_0) into the store."),
     "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),
     "doctor": ("localllm.cli.doctor", "doctor", "Check the llama.cpp build against this machine's GPUs."),
     "eval": ("localllm.cli.eval", "eval_", "Measure model quality (eval ppl: perplexity over a text)."),
-    "bench-quants": ("localllm.cli.eval", "bench_quants",
-                     "Quantize a model to a ladder of types and measure size, perplexity, speed, RSS."),
 }
 
 

@@ -16,13 +16,13 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     for a store name, or over one engine for a .gguf path (a file is always opened in-process)."""
     is_file = bool(model and (model.endswith(".gguf") or Path(model).expanduser().is_file()))
     if use_server and not is_file:
-        from localllm.client import find_server
+        from localllm.cli.client import find_server
         from localllm.config import load_settings
 
         settings = load_settings()
         url = find_server(settings)
         if url is not None:
-            from localllm.catalog import Catalog
+            from localllm.models.catalog import Catalog
             from localllm.tui.http_backend import HttpBackend
 
             return HttpBackend(url, settings.api_key, catalog=Catalog.load(), num_ctx=ctx), model
@@ -31,7 +31,7 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     from localllm.tui.backend import EngineBackend
 
     if model and is_file:
-        from localllm.gguf_meta import model_info
+        from localllm.models.gguf_meta import model_info
 
         path = Path(model).expanduser()
         engine = Engine(path, n_ctx=ctx or 4096, slots=1)
@@ -41,12 +41,12 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
             backend.format_for = lambda _m, _e: (tpl, [])
         return backend, path.name
 
-    from localllm import pull as pull_mod
-    from localllm.catalog import Catalog
+    from localllm.compose.spec import Composer
     from localllm.config import load_settings
+    from localllm.models import pull as pull_mod
+    from localllm.models.catalog import Catalog
+    from localllm.models.store import Store
     from localllm.runtime.pool import ModelPool
-    from localllm.server.compose import Composer
-    from localllm.store import Store
 
     store, catalog = Store(), Catalog.load()
     # one person chatting: one slot is enough and leaves the memory to the context

@@ -13,9 +13,10 @@ _MARK = {"ok": ("ok", "green"), "info": ("info", "cyan"), "warn": ("warn", "yell
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 def doctor(as_json: bool) -> None:
     """Check the installed llama.cpp build against this machine's GPUs."""
-    from localllm.doctor import report
+    from localllm.machine.doctor import report
+    from localllm.runtime.devices import build_info
 
-    rep = report()
+    rep = report(build_info())
     if as_json:
         print_json(rep)
         return

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from localllm.cli.render import console, human_bytes, print_json, table
+from localllm.cli.render import console, fit_rows, human_bytes, print_json, table
 
 
 class RichPullProgress:
@@ -68,10 +68,13 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
     """
     import dataclasses
 
-    from localllm.catalog import Catalog, normalize
+    from localllm.models.catalog import Catalog
+    from localllm.models.names import normalize
 
     source = Catalog.load().resolve(model, quant=quant)
-    from localllm import pull as pull_mod  # after resolving: a bad name fails without loading the hub client
+    from localllm.models import (
+        pull as pull_mod,  # after resolving: a bad name fails without loading the hub client
+    )
     if name:
         source = dataclasses.replace(source, name=normalize(name))
     started = time.monotonic()
@@ -97,8 +100,8 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_(show_catalog: bool, as_json: bool) -> None:
     """List installed models (or, with --catalog, the catalog)."""
-    from localllm.catalog import Catalog
-    from localllm.store import Store
+    from localllm.models.catalog import Catalog
+    from localllm.models.store import Store
 
     if show_catalog:
         cat = Catalog.load()
@@ -149,7 +152,7 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
 
     MODEL is an installed name or a .gguf path.
     """
-    from localllm.gguf_meta import model_info
+    from localllm.models.gguf_meta import model_info
 
     path, man = _model_file(model)
     info = model_info(path)
@@ -178,14 +181,15 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
             rows.append(("lineage", json.dumps(man.lineage)))
     table(["", data["name"]], [[k, "" if v is None else str(v)] for k, v in rows])
     if plan is not None:
-        table(["fit plan", ""], [list(row) for row in plan.rows()])
+        table(["fit plan", ""], [list(row) for row in fit_rows(plan)])
 
 
 def _fit_plan(info: Any, **overrides: Any) -> Any:
-    from localllm import hardware
+    from localllm.machine.fit import plan_fit
+    from localllm.machine.probe import detect_devices, ram
 
-    _total, avail = hardware.ram()
-    plan = hardware.plan_fit(info, ram_available=avail, devices=hardware.detect_devices(),
+    _total, avail = ram()
+    plan = plan_fit(info, ram_available=avail, devices=detect_devices(),
                              want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
                              kv_type=overrides["kv_type"], **({"slots": overrides["slots"]} if overrides["slots"] else {}))
     return plan
@@ -196,7 +200,7 @@ def _model_file(model: str) -> tuple[Any, Any]:
     from pathlib import Path
 
     from localllm.errors import ModelNotFound
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     if model.lower().endswith(".gguf") and not model.lower().startswith("hf.co/"):
         path = Path(model).expanduser()
@@ -212,7 +216,7 @@ def _model_file(model: str) -> tuple[Any, Any]:
 @click.argument("models", nargs=-1, required=True)
 def rm(models: tuple[str, ...]) -> None:
     """Remove installed models. A file still used by a running localllm is kept until it is free."""
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     store = Store()
     for name in models:
@@ -228,7 +232,7 @@ def rm(models: tuple[str, ...]) -> None:
 @click.argument("destination")
 def cp(source: str, destination: str) -> None:
     """Copy SOURCE to a new name DESTINATION; both names share one file."""
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     man = Store().cp(source, destination)
     click.echo(f"copied '{source}' to '{man.name}'")
@@ -237,7 +241,7 @@ def cp(source: str, destination: str) -> None:
 @click.command()
 def prune() -> None:
     """Delete model files that no name points at and no process uses."""
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     removed = Store().prune()
     click.echo(f"removed {len(removed)} unreferenced file(s)")

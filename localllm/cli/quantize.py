@@ -51,7 +51,7 @@ def quantize(source: str, qtype: str, name: str | None, allow_requantize: bool, 
     """Quantize SOURCE (a store name or a .gguf path) with llama.cpp and add it to the store."""
     import time
 
-    from localllm.quantize import quantize_into_store
+    from localllm.models.quantize import quantize_into_store
 
     if allow_requantize:
         click.secho("warning: re-quantizing a quantized model compounds rounding error; "
@@ -71,7 +71,7 @@ def dequantize(source: str, name: str | None, as_json: bool) -> None:
     """Write an F16 copy of SOURCE (store name or .gguf path) with the gguf package, e.g. to re-quantize."""
     import time
 
-    from localllm.quantize import dequantize_into_store
+    from localllm.models.quantize import dequantize_into_store
 
     start = time.monotonic()
     with _status(f"dequantizing {source} to F16") as update:

@@ -26,11 +26,12 @@ from typing import Any
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime import context_shift
 from localllm.runtime.drafters import make_drafter
+from localllm.runtime.drafting import collect_drafts, settle_drafts
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.prefix_cache import StateLRU, common_prefix, kv_holds
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.speculative import SpecConfig, SpecState, collect_drafts, settle_drafts, verify
+from localllm.runtime.speculative import SpecConfig, SpecState, verify
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Notice, Request, Result
 

@@ -71,7 +71,7 @@ def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = 
     from localllm.runtime.pool import ModelPool, parse_keep_alive
 
     try:
-        from localllm.hardware import ram
+        from localllm.machine.probe import ram
 
         budget: int | None = int(ram()[0] * 0.8)
     except Exception:  # noqa: BLE001 - no budget rather than no server
@@ -94,9 +94,9 @@ def _validation_message(exc: RequestValidationError) -> str:
 def create_app(settings: Settings | None = None, *, store: Any = None, catalog: Any = None,
                pool: Any = None) -> FastAPI:
     """Build the server. Tests pass their own store, catalog and pool; the CLI passes nothing."""
-    from localllm.catalog import Catalog
-    from localllm.server.compose import Composer
-    from localllm.store import Store
+    from localllm.compose.spec import Composer
+    from localllm.models.catalog import Catalog
+    from localllm.models.store import Store
 
     settings = settings or load_settings()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from localllm.gguf_meta import ModelInfo, model_info
-from localllm.store import Manifest, Store
+from localllm.models.gguf_meta import ModelInfo, model_info
+from localllm.models.store import Manifest, Store
 
 
 def info_for(state: Any, man: Manifest) -> ModelInfo:

@@ -134,7 +134,7 @@ async def pull(body: PullBody, request: Request) -> Response:
 
     def work() -> None:
         try:
-            from localllm import pull as pull_mod  # it reports "pulling manifest" itself
+            from localllm.models import pull as pull_mod  # it reports "pulling manifest" itself
             pull_mod.pull(source, state.store, progress)
             progress.status("success")
         except LocalLLMError as exc:

@@ -16,51 +16,18 @@ from typing import Any
 
 from localllm import config
 from localllm.errors import InvalidInput, InvalidModelName, ModelNotFound
+from localllm.models.names import DEFAULT_TAG, HF_PREFIXES, parse_name
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_TAG = "latest"
-HF_PREFIXES = ("hf.co/", "huggingface.co/")
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 KNOWN_QUANTS = (
     "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S",
     "Q4_1", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_XXS",
     "IQ2_M", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
 )
-
-
-def parse_name(text: str) -> tuple[str, str]:
-    """Split and validate `name[:tag]`. Refuses anything that could escape the store's folders."""
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidModelName("model name is empty", "give a name like gemma3:270m")
-    raw = text.strip()
-    if "\\" in raw or raw.startswith("/") or "\x00" in raw:
-        raise InvalidModelName(f"invalid model name {text!r}: no slashes at the start, no backslashes")
-    name, sep, tag = raw.rpartition(":") if ":" in raw.split("/")[-1] else (raw, "", "")
-    if sep and not tag:
-        raise InvalidModelName(f"invalid model name {text!r}: the tag after ':' is empty",
-                               "write name:tag, e.g. qwen2.5:0.5b, or leave ':' out for :latest")
-    tag = tag or DEFAULT_TAG
-    segments = name.split("/")
-    if not name or any(not _SEGMENT.match(s) or ".." in s for s in segments) or len(segments) > 4:
-        raise InvalidModelName(
-            f"invalid model name {text!r}",
-            "names are letters, digits, '.', '_' and '-' (e.g. qwen2.5-coder:1.5b); no '..', no empty parts",
-        )
-    if not _TAG.match(tag) or ".." in tag:
-        raise InvalidModelName(f"invalid tag {tag!r} in {text!r}", "tags are letters, digits, '.', '_', '-'")
-    return name, tag
-
-
-def normalize(text: str) -> str:
-    name, tag = parse_name(text)
-    if not any(name.startswith(p) for p in HF_PREFIXES):
-        name = name.lower()
-    return f"{name}:{tag}"
 
 
 @dataclass(frozen=True)
@@ -90,9 +57,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def shipped_catalog_path() -> Path:
-    here = Path(__file__).resolve().parent
-    inside = here / "models.toml"  # in an installed wheel
-    return inside if inside.is_file() else here.parent / "models.toml"  # in a source checkout
+    package = Path(__file__).resolve().parent.parent  # localllm/
+    inside = package / "models.toml"  # in an installed wheel
+    return inside if inside.is_file() else package.parent / "models.toml"  # in a source checkout
 
 
 class Catalog:
@@ -199,6 +166,8 @@ class Catalog:
 
 
 def _local_types() -> tuple[str, ...]:
-    from localllm.quantize import LOCAL_TYPES  # the table lives with the quantizer (no llama_cpp import)
+    from localllm.models.quantize import (
+        LOCAL_TYPES,  # the table lives with the quantizer (no llama_cpp import)
+    )
 
     return LOCAL_TYPES

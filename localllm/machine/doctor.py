@@ -126,11 +126,8 @@ def diagnose(build: dict[str, Any], facts: MachineFacts) -> list[Finding]:
     return out
 
 
-def report(build: dict[str, Any] | None = None, facts: MachineFacts | None = None) -> dict[str, Any]:
-    if build is None:
-        from localllm.runtime.devices import build_info
-
-        build = build_info()
+def report(build: dict[str, Any], facts: MachineFacts | None = None) -> dict[str, Any]:
+    """The doctor's report for a llama.cpp build (runtime.devices.build_info) on this machine."""
     facts = facts or machine_facts()
     findings = diagnose(build, facts)
     return {

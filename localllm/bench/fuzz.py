@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localllm.bench_fuzz_traffic import Item, Traffic
+from localllm.bench.traffic import Item, Traffic
 from localllm.runtime.reference import TOL, Reference, compare
 
 __all__ = ["FuzzReport", "fuzz", "print_table"]

@@ -93,7 +93,7 @@ def _peak_rss() -> int:
 
 
 def _measure_subprocess(path: Path, args: BenchQuantsArgs, text_path: Path, what: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "localllm.bench_quants", "--measure", str(path), "--what", what,
+    cmd = [sys.executable, "-m", "localllm.bench.quants", "--measure", str(path), "--what", what,
            "--text", str(text_path), "--ctx", str(args.ctx), "--tokens", str(args.decode_tokens)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -105,24 +105,24 @@ def _measure_subprocess(path: Path, args: BenchQuantsArgs, text_path: Path, what
 
 
 def _n_weights(path: Path) -> int:
-    from localllm.gguf_meta import read_gguf
+    from localllm.models.gguf_meta import read_gguf
 
     return sum(t.n_elements for t in read_gguf(path).tensors)
 
 
 def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
     """Build and measure the ladder; returns {"source", "notes", "rows"} (first row is the F16 baseline)."""
-    from localllm.quantize import (
+    from localllm.models.quantize import (
         FTYPES,
         UNQUANTIZED,
-        _resolve_source,
-        _unquantized,
+        resolve_source,
+        is_unquantized,
         dequantize_to_f16,
         quantize,
         read_gguf,
     )
+    from localllm.models.store import Store
     from localllm.runtime.perplexity import default_text_path
-    from localllm.store import Store
 
     types = [t.strip().upper() for t in args.types if t.strip()]
     unknown = [t for t in types if t not in FTYPES]
@@ -131,14 +131,14 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
     text_path = Path(args.text) if args.text else default_text_path()
     if not text_path.is_file():
         raise InvalidInput(f"evaluation text not found: {text_path}")
-    src, src_name, _ = _resolve_source(args.model, Store())
+    src, src_name, _ = resolve_source(args.model, Store())
     notes: list[str] = []
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="localllm-ladder-"))
     folder.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:
         gf = read_gguf(src)
-        if _unquantized(gf):
+        if is_unquantized(gf):
             base = src
             base_type = UNQUANTIZED.get(int(gf.get("general.file_type") or 0), "F16")
         else:
@@ -200,7 +200,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(args: BenchQuantsArgs | Any) -> dict[str, Any]:
-    """Entry point for `localllm bench --quants` / `bench-quants`: print the table or JSON; return the report.
+    """Entry point for `localllm bench --quants`: print the table or JSON; return the report.
 
     `args` may be a BenchQuantsArgs or any object with the same attribute names.
     """
@@ -218,7 +218,7 @@ def main(args: BenchQuantsArgs | Any) -> dict[str, Any]:
 def _measure_main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m localllm.bench_quants")
+    p = argparse.ArgumentParser(prog="python -m localllm.bench.quants")
     p.add_argument("--measure", type=Path, required=True)
     p.add_argument("--what", choices=["ppl", "speed"], required=True)
     p.add_argument("--text", type=Path, required=True)

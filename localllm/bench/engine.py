@@ -1,6 +1,6 @@
 """`localllm bench`: localllm's engine against llama-cpp-python's `Llama` class, same model and settings.
 
-Each side runs in its own subprocess (`python -m localllm.bench --side engine|llama ...`) so peak
+Each side runs in its own subprocess (`python -m localllm.bench.engine --side engine|llama ...`) so peak
 RSS is measured per side and neither warms the other's page cache of the weights unfairly
 (the first side pays the cold read; the weights are then cached for both).
 """
@@ -143,7 +143,7 @@ def run_pair(path: str, n_ctx: int, threads: int, gen: int, streams: list[int], 
 
 def run_side(side: str, path: str, *, n_ctx: int, threads: int, gen: int, streams: list[int]) -> dict[str, Any]:
     """Run one side in a subprocess and return its numbers."""
-    cmd = [sys.executable, "-m", "localllm.bench", "--side", side, "--model", path, "--ctx", str(n_ctx),
+    cmd = [sys.executable, "-m", "localllm.bench.engine", "--side", side, "--model", path, "--ctx", str(n_ctx),
            "--threads", str(threads), "--gen", str(gen), "--streams", ",".join(map(str, streams))]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import DiskSpaceError, InvalidInput, LocalLLMError, NotGGUF
-from localllm.gguf_meta import GGUFFile, read_gguf
+from localllm.models.gguf_meta import GGUFFile, read_gguf
 
 TOOL = "llama.cpp via llama-cpp-python 0.3.36"
 
@@ -44,7 +44,7 @@ LOCAL_TYPES = tuple(n for n in FTYPES if n not in NEEDS_IMATRIX and n != "F16")
 Progress = Callable[[str, float], None]  # (phase, elapsed seconds)
 
 
-def _unquantized(gf: GGUFFile) -> bool:
+def is_unquantized(gf: GGUFFile) -> bool:
     ftype = gf.get("general.file_type")
     if ftype is not None:
         return int(ftype) in UNQUANTIZED
@@ -83,8 +83,8 @@ def validate(src: Path, qtype: str, *, allow_requantize: bool = False,
         # llama_model_quantize takes the imatrix as a C++ map that the Python bindings cannot build
         raise InvalidInput("--imatrix is not supported through llama-cpp-python's bindings",
                            "use llama.cpp's llama-quantize --imatrix FILE, then `localllm pull <file.gguf>`")
-    if not _unquantized(gf) and not allow_requantize:
-        from localllm.gguf_meta import quant_name
+    if not is_unquantized(gf) and not allow_requantize:
+        from localllm.models.gguf_meta import quant_name
 
         raise InvalidInput(
             f"{label} is already quantized ({quant_name(gf)}); quantizing it again compounds the "
@@ -225,7 +225,7 @@ def _field_value(field: Any, vtype: Any, sub: Any) -> Any:
 
 # --- the store --------------------------------------------------------------------------------
 
-def _resolve_source(source: str | Path, store: Any) -> tuple[Path, str, str | None]:
+def resolve_source(source: str | Path, store: Any) -> tuple[Path, str, str | None]:
     """(path, display name, store name or None) for a store name or a .gguf path."""
     p = Path(source)
     if str(source).endswith(".gguf") or p.is_file():
@@ -237,7 +237,7 @@ def _resolve_source(source: str | Path, store: Any) -> tuple[Path, str, str | No
 
 
 def _default_name(source_name: str, suffix: str) -> str:
-    from localllm.catalog import normalize
+    from localllm.models.names import normalize
 
     base = normalize(source_name) if ":" in source_name else source_name
     if ":" in base:
@@ -277,12 +277,12 @@ def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any,
                 check: Callable[[Path, str], Any] = lambda src, label: read_gguf(src),
                 origin: dict[str, str] | None = None, source_name: str | None = None,
                 source_digest: str | None = None) -> Any:
-    from localllm.store import Manifest, Store, sha256_file
+    from localllm.models.store import Manifest, Store, sha256_file
 
     store = store or Store()
-    src, src_name, store_name = _resolve_source(source, store)
+    src, src_name, store_name = resolve_source(source, store)
     src_name = source_name or src_name
-    from localllm.catalog import normalize
+    from localllm.models.names import normalize
 
     target = normalize(name or _default_name(src_name, qtype.lower()))  # a bad name fails before the work
     check(src, src_name)  # bad file, type or flags fail here: before hashing the source or creating anything

@@ -1,9 +1,9 @@
 """Quantize on pull: when a repo publishes no file of the wanted quant, fetch its F16/BF16 original
 and quantize it locally into the store (the original is a temporary unless it was already stored).
 
-The download machinery (hub metadata, resumable sha256-checked fetch, error mapping) is pull.py's;
+The download machinery (hub metadata, resumable sha256-checked fetch, error mapping) is hub.py's;
 this module only picks the original to fetch, checks space for both files, and hands the original
-to localllm.quantize.
+to localllm.models.quantize.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ import time
 from pathlib import Path
 
 from localllm import config
-from localllm.catalog import Source
 from localllm.errors import DiskSpaceError, InvalidInput, RemoteNotFound
-from localllm.pull import (
+from localllm.models.catalog import Source
+from localllm.models.hub import (
     SPACE_MARGIN,
     PullProgress,
     PullResult,
-    _check_gguf,
-    _download,
-    _list_ggufs,
-    _remote_file,
-    _Unreachable,
+    Unreachable,
+    check_gguf,
+    download,
+    list_ggufs,
+    remote_file,
 )
-from localllm.store import Store
+from localllm.models.store import Store
 
 _ORIGINAL = re.compile(r"(?:^|[-_.])(bf16|f16|fp16|f32|fp32)(?=[-_.])", re.IGNORECASE)
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
@@ -72,17 +72,17 @@ def pull_quantized(source: Source, store: Store, progress: PullProgress, token: 
     folder, quantized from there and deleted; it enters the store only if it already was there (then
     it is used in place and kept). The result is registered under `source.name` with its lineage.
     """
-    from localllm import quantize as qmod
+    from localllm.models import quantize as qmod
 
     repo, quant = source.repo or "", (source.quant or "").upper()
     if quant not in qmod.LOCAL_TYPES:  # the catalog checks this too; hf.co refs and callers may not
         raise InvalidInput(f"cannot make {quant} locally", f"types localllm can make: {', '.join(qmod.LOCAL_TYPES)}")
     try:
-        filename = source.filename or _find_original(repo, ggufs if ggufs is not None else _list_ggufs(repo, token),
+        filename = source.filename or _find_original(repo, ggufs if ggufs is not None else list_ggufs(repo, token),
                                                      quant)
         original = dataclasses.replace(source, filename=filename)
-        _, url, sha, size, commit = _remote_file(original, token)
-    except _Unreachable:
+        _, url, sha, size, commit = remote_file(original, token)
+    except Unreachable:
         if done := _quantized_installed(store, source):  # offline, but it was made before
             return done
         raise
@@ -114,9 +114,9 @@ def pull_quantized(source: Source, store: Store, progress: PullProgress, token: 
             _check_space_each({partial.parent: max(size - have, 0), store.root: out_size},
                               what=f"pulling {filename} ({size / 1e9:.2f} GB, a temporary) and quantizing "
                                    f"it to {quant} (about {out_size / 1e9:.2f} GB)")
-            resumed, fetched = _download(url, partial, size, digest, token, progress, original, store.root)
+            resumed, fetched = download(url, partial, size, digest, token, progress, original, store.root)
             progress.status("verifying sha256 digest")
-            _check_gguf(partial)
+            check_gguf(partial)
             src = partial
         progress.status(f"quantizing to {quant} with llama.cpp")
         started = time.monotonic()

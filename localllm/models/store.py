@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from localllm import config
-from localllm.catalog import normalize
 from localllm.errors import IntegrityError, ModelNotFound, StoreError
+from localllm.models.names import normalize
 
 HASH_CHUNK = 4 * 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""The machine: RAM, GPU devices, and a memory fit plan for one model.
+"""The memory fit plan for one model on this machine (machine/probe.py says what the machine has).
 
 `plan_fit` turns GGUF metadata (weights per layer, KV heads, head sizes, sliding window) and free
 RAM/VRAM into the numbers the engine passes to llama.cpp: n_gpu_layers, n_ctx, KV cache type, flash
@@ -12,19 +12,14 @@ or handed in by the caller, which may enumerate ggml's devices itself.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
-import shutil
-import subprocess
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 from localllm.errors import InvalidInput
-from localllm.gguf_meta import ModelInfo, read_gguf
+from localllm.machine.probe import Device, MiB, detect_devices, physical_cores, ram
+from localllm.models.gguf_meta import ModelInfo, read_gguf
 
-MiB = 1024 * 1024
 CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt Python-side buffers
 # Default context when none is asked for. Trained contexts run to 128k+, and a KV cache that size costs
 # GBs and slows attention for chats that rarely pass a few thousand tokens; 8k covers nearly all chat
@@ -47,75 +42,6 @@ KV_TYPE_SIZES: dict[str, Fraction] = {
 # layer i uses the window unless (i + 1) % n == 0. Unknown architectures count every layer as full
 # attention, which can only overestimate memory.
 SWA_PATTERNS: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gemma3n": 5, "exaone4": 4}
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    kind: Literal["cpu", "gpu"]
-    total_bytes: int
-    free_bytes: int
-    unified: bool = False  # GPU memory is system RAM (Apple Silicon): offloaded bytes still use RAM
-
-
-def ram() -> tuple[int, int]:
-    """(total, available) system memory in bytes."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available)
-
-
-def physical_cores() -> int:
-    import psutil
-
-    # llama.cpp decodes fastest with one thread per physical core; hyperthreads add contention.
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def _nvidia_smi() -> list[Device]:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return []
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    devices = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.rsplit(",", 2)]
-        if len(parts) != 3:
-            continue
-        try:
-            total, free = int(float(parts[1])) * MiB, int(float(parts[2])) * MiB
-        except ValueError:
-            continue
-        devices.append(Device(parts[0], "gpu", total, free))
-    return devices
-
-
-def _apple_gpu(total: int, available: int) -> list[Device]:
-    if platform.system() != "Darwin" or platform.machine() != "arm64":
-        return []
-    # Metal caps a process's working set near 3/4 of RAM (recommendedMaxWorkingSetSize).
-    cap = total * 3 // 4
-    return [Device("Apple GPU (Metal)", "gpu", cap, min(cap, available), unified=True)]
-
-
-def detect_devices(probe: Callable[[], Iterable[Device]] | None = None) -> list[Device]:
-    """The CPU (system RAM) first, then GPUs.
-
-    `probe` replaces the built-in GPU discovery: the engine or `doctor` can pass ggml's own device list,
-    which also covers Vulkan/HIP backends that nvidia-smi cannot see.
-    """
-    total, available = ram()
-    devices = [Device("CPU", "cpu", total, available)]
-    gpus = list(probe()) if probe is not None else _nvidia_smi() or _apple_gpu(total, available)
-    devices += [d for d in gpus if d.kind == "gpu"]
-    return devices
 
 
 def _type_size(kv_type: str) -> Fraction:
@@ -252,33 +178,15 @@ class FitPlan:
         d["total_bytes"] = self.total_bytes
         return d
 
-    def rows(self) -> list[tuple[str, str]]:
-        """(label, value) pairs for a two-column table."""
-        out = []
-        for key, c in self.choices.items():
-            out.append((key, f"{_fmt_value(c.value)}  ({'given' if c.overridden else 'chosen'}: {c.reason})"))
-        out += [
-            ("weights", _gib(self.weights_bytes)),
-            ("  on GPU", _gib(self.weights_gpu_bytes) + (f" ({self.gpu.name})" if self.gpu else "")),
-            ("  on CPU", _gib(self.weights_cpu_bytes)),
-            ("KV cache", f"{_gib(self.kv_bytes)} ({self.n_ctx} cells, {self.kv_type})"),
-            ("compute reserve", _gib(self.compute_bytes)),
-            ("total", _gib(self.total_bytes)),
-            ("RAM needed / available", f"{_gib(self.ram_needed)} / {_gib(self.ram_available)}"),
-        ]
-        if self.gpu is not None:
-            out.append(("GPU needed / free", f"{_gib(self.gpu_needed)} / {_gib(self.gpu.free_bytes)}"))
-        out.append(("fits", "yes" if self.fits else "NO"))
-        out += [("warning", w) for w in self.warnings]
-        return out
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The Engine's keyword arguments for this plan (what every caller of the plan passes on)."""
+        return {"n_ctx": self.n_ctx, "slots": self.slots, "threads": self.threads,
+                "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "flash_attn": self.flash_attn}
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB (the plan's reasons and `show --fit` use it)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.1f} MiB"
-
-
-def _fmt_value(v: Any) -> str:
-    return "auto" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 @dataclass
@@ -443,10 +351,10 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     ev = pl.evaluate(n_ctx, chosen_kv, ngl)
     if not ev.fits:
         if ev.ram_needed > ram_available:
-            warnings.append(f"needs {_gib(ev.ram_needed)} RAM but {_gib(ram_available)} is available:"
+            warnings.append(f"needs {gib(ev.ram_needed)} RAM but {gib(ram_available)} is available:"
                             " expect swapping or a failed load")
         if gpu is not None and ev.gpu_needed > pl.gpu_budget:
-            warnings.append(f"needs {_gib(ev.gpu_needed)} on {gpu.name}, which has {_gib(gpu.free_bytes)} free")
+            warnings.append(f"needs {gib(ev.gpu_needed)} on {gpu.name}, which has {gib(gpu.free_bytes)} free")
 
     choices["n_gpu_layers"] = Choice(ev.ngl, gpu_layers is not None, _layers_reason(ev.ngl, pl, gpu)
                                      if gpu_layers is None else f"--gpu-layers {gpu_layers}")
@@ -488,5 +396,5 @@ def _layers_reason(ngl: int, pl: _Planner, gpu: Device | None) -> str:
     if ngl > pl.n_layers:
         return f"every layer and the output head fit on {gpu.name}"
     if ngl == 0:
-        return f"not even one layer fits in {_gib(gpu.free_bytes)} free on {gpu.name}"
-    return f"{ngl} of {pl.n_layers} layers fit in {_gib(gpu.free_bytes)} free on {gpu.name}"
+        return f"not even one layer fits in {gib(gpu.free_bytes)} free on {gpu.name}"
+    return f"{ngl} of {pl.n_layers} layers fit in {gib(gpu.free_bytes)} free on {gpu.name}"

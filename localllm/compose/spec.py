@@ -75,7 +75,7 @@ class Composer:
 
     def info(self, name: str) -> tuple[Any, Any]:
         """(manifest, ModelInfo) for an installed name; raises ModelNotFound with a hint."""
-        from localllm.gguf_meta import model_info
+        from localllm.models.gguf_meta import model_info
 
         man = self.store.require(name)
         if man.digest not in self._info:
@@ -149,7 +149,7 @@ class Composer:
               n_batch: int | None) -> dict[str, Any]:
         s = self.settings
         try:
-            from localllm.hardware import plan_fit
+            from localllm.machine.fit import plan_fit
 
             plan = plan_fit(info, slots=s.slots, want_ctx=want_ctx, gpu_layers=ngl, kv_type=s.kv_type,
                             threads=threads)

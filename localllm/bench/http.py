@@ -273,8 +273,8 @@ def llama_cpp_server(path: Path, *, threads: int, ctx: int) -> Iterator[str]:
 def engine_kwargs(path: Path, *, threads: int, ctx: int, slots: int) -> dict[str, Any]:
     """What the server's composer plans for this model and these settings (compose.Composer._plan)."""
     try:
-        from localllm.gguf_meta import model_info
-        from localllm.hardware import plan_fit
+        from localllm.machine.fit import plan_fit
+        from localllm.models.gguf_meta import model_info
 
         plan = plan_fit(model_info(path), slots=slots, want_ctx=ctx, threads=threads)
         return {"n_ctx": plan.n_ctx, "slots": plan.slots, "threads": plan.threads,
@@ -312,7 +312,7 @@ def open_engine(path: Path, kwargs: dict[str, Any]) -> tuple[Any, list[int]]:
 
 # ---- the benchmark --------------------------------------------------------------------------------
 def _model_file(model: str) -> Path:
-    from localllm.store import Store
+    from localllm.models.store import Store
 
     return Path(Store().model_path(model))
 

@@ -1,0 +1,1 @@
+"""Composition: a model name becomes a ModelSpec, engine settings, a chat format and a Request."""
