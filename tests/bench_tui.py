@@ -24,7 +24,7 @@ from textual import events
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_tui import FakeBackend, FakeStream, script
+from helpers import FakeBackend, FakeStream, script
 
 from localllm.runtime.types import Chunk, Notice
 from localllm.tui.app import create_app

@@ -1,11 +1,17 @@
-"""Shared test setup: every test gets its own LOCALLLM_HOME, and no test can reach the internet."""
+"""Shared test setup and every shared fixture: each test gets its own LOCALLLM_HOME, no test can reach the
+internet, and the fixtures several test files use live here (plain helpers are in helpers.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from helpers import Server
 
 # Tests never download from the real hub: anything that tries goes to a closed loopback port.
 os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
@@ -36,3 +42,20 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tinymodel import make_tiny_gguf
 
     return make_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real uvicorn server on a loopback port over the tiny model, one per test module (helpers.start_server)."""
+    from helpers import start_server
+
+    info, server, thread = start_server(tmp_path_factory.mktemp("srv"))
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """anyio's pytest plugin runs the `pytest.mark.anyio` tests (no pytest-asyncio needed) on asyncio."""
+    return "asyncio"

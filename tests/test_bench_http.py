@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_server_harness import TINY, install
+from helpers import TINY, install
 
 
 @pytest.fixture

@@ -172,6 +172,7 @@ def test_gguf_reader_refuses_junk(tmp_path: Path) -> None:
         read_gguf(empty)
 
 
+@pytest.mark.slow
 def test_gguf_reader_on_gemma_and_truncated_copy(gemma_file: Path, tmp_path: Path) -> None:
     info = model_info(gemma_file)
     assert (info.architecture, info.quant, info.layers, info.kv_heads, info.head_size_k) == ("gemma3", "Q4_K_M",

@@ -1,8 +1,12 @@
-"""`localllm doctor`: the real command on this CPU-only machine, and the mismatch logic with made-up facts."""
+"""`localllm doctor`: the real command on this machine (with or without a GPU), and the mismatch logic with
+made-up facts."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from importlib.metadata import version
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -19,20 +23,39 @@ H100 = MachineFacts(system="Linux", machine="x86_64", nvidia_smi="/usr/bin/nvidi
                     nvidia_gpus=[{"name": "NVIDIA H100", "memory_total_mib": 81559, "compute_cap": "9.0"}])
 
 
-def test_doctor_json_on_this_machine() -> None:
+def doctor_json() -> dict[str, Any]:
     res = CliRunner().invoke(cli, ["doctor", "--json"])
     assert res.exit_code == 0, res.output
-    rep = json.loads(res.stdout)
-    assert rep["build"]["llama_cpp_python"] == "0.3.36"
-    assert any(d["type"] == "CPU" for d in rep["build"]["devices"])
-    assert rep["build"]["gpu_offload"] is False
-    assert rep["findings"] and rep["ok"] is True
+    return json.loads(res.stdout)
+
+
+def test_doctor_json_on_this_machine() -> None:
+    """Whatever the machine (GPU or not), the report agrees with the installed build and with itself."""
+    rep = doctor_json()
+    build = rep["build"]
+    assert build["llama_cpp_python"] == version("llama-cpp-python")
+    assert any(d["type"] == "CPU" for d in build["devices"])
+    assert build["gpu_offload"] in (True, False, None)
+    assert rep["findings"]
+    assert rep["ok"] is all(f["level"] in ("ok", "info") for f in rep["findings"])
+    # the findings are diagnose() of the build and machine facts the report shows
+    assert [asdict(f) for f in diagnose(build, MachineFacts(**rep["machine"]))] == rep["findings"]
+    machine = rep["machine"]
+    if not (machine["nvidia_gpus"] or machine["nvidia_driver"] or machine["apple_silicon"] or machine["rocm"]
+            or machine["vulkan_loader"] or build_backends(build)):
+        # no GPU and a CPU-only build: nothing to offload to, and that is a match
+        assert build["gpu_offload"] is False and rep["ok"] is True
 
 
 def test_doctor_text() -> None:
+    rep = doctor_json()
     res = CliRunner().invoke(cli, ["doctor"])
     assert res.exit_code == 0, res.output
-    assert "CPU" in res.stdout and "[ok]" in res.stdout
+    assert "CPU" in res.stdout
+    labels = {"ok": "[ok]", "info": "[info]", "warn": "[warn]", "error": "[FAIL]"}
+    for f in rep["findings"]:  # every finding, with its level, whatever this machine has
+        assert f"{labels[f['level']]} {f['message']}" in res.stdout
+    assert ("[ok]" in res.stdout) is any(f["level"] == "ok" for f in rep["findings"])
 
 
 def test_cpu_build_on_nvidia_machine_gives_fix() -> None:

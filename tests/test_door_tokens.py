@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
-from test_server_harness import FIM, Server, install, start_server
+from helpers import FIM, Server, install, start_server
 from tinymodel import BOS, make_tiny_gguf
 
 from localllm.runtime.engine import Engine

@@ -16,7 +16,7 @@ TEXT = "the quick brown fox jumps over the lazy dog. " * 30
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_quantize import write_tiny_llama
+    from tinymodel import write_tiny_llama
 
     # small (0.02 std) random weights and a 320-token vocabulary: near-uniform next-token distributions
     return write_tiny_llama(tmp_path_factory.mktemp("eval") / "tiny.gguf")
@@ -62,7 +62,7 @@ def test_cli_eval_ppl_json(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_bench_quants_ladder_on_k_quant_friendly_model(tmp_path: Path) -> None:
-    from test_quantize import write_tiny_llama
+    from tinymodel import write_tiny_llama
 
     from localllm.bench.quants import BenchQuantsArgs, run_ladder
 

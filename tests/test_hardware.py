@@ -72,6 +72,7 @@ def test_swa_counted_when_not_full() -> None:
     assert kv_bytes_per_token(info, n_ctx=8192, swa_full=False) < kv_bytes_per_token(info)
 
 
+@pytest.mark.slow
 def test_real_gemma_kv_matches_llama_cpp(gemma: ModelInfo) -> None:
     # llama.cpp reports for this file (swa_full): 24 MiB non-SWA + 120 MiB SWA at 8192 cells, 36 MiB at 2048.
     assert kv_cache_bytes(gemma, 8192) == 144 * MiB
@@ -79,6 +80,7 @@ def test_real_gemma_kv_matches_llama_cpp(gemma: ModelInfo) -> None:
     assert sum(swa_layers(gemma)) == 15
 
 
+@pytest.mark.slow
 def test_real_gemma_plan(gemma: ModelInfo) -> None:
     plan = plan_fit(gemma, ram_available=8 * GiB, devices=CPU_ONLY)
     assert (plan.n_gpu_layers, plan.n_ctx, plan.kv_type, plan.fits) == (0, 8192, "f16", True)
@@ -94,6 +96,7 @@ def test_real_gemma_plan(gemma: ModelInfo) -> None:
     assert ("fits", "NO") in fit_rows(tiny)
 
 
+@pytest.mark.slow
 def test_real_gemma_full_offload_duplicates_tied_output(gemma: ModelInfo) -> None:
     gpu = Device("Test GPU", "gpu", 24 * GiB, 24 * GiB)
     plan = plan_fit(gemma, ram_available=8 * GiB, devices=[CPU_ONLY[0], gpu])

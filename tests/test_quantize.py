@@ -6,59 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+from tinymodel import write_tiny_llama
 
 from localllm.errors import InvalidInput, NotGGUF
 from localllm.models.gguf_meta import read_gguf
 from localllm.models.quantize import FTYPES, dequantize_to_f16, quantize, quantize_into_store
 from localllm.models.store import Store
-
-
-def write_tiny_llama(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 2, seed: int = 0) -> Path:
-    """A llama GGUF with F32 random weights; every row is a multiple of 256 so K-quants apply."""
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(256)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_block_count(n_layer)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_rope_dimension_count(n_embd // 4)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(0)  # ALL_F32
-    # SentencePiece-style vocab: <unk> <s> </s> + 256 byte tokens + a few words
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"\u2581w{i}" for i in range(61)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 3 + [-100.0] * 256 + [-1.0 - i for i in range(61)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 61)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-
-    def rand(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
-
-    rand("token_embd.weight", len(tokens), n_embd)
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    rand("output.weight", len(tokens), n_embd)
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            rand(f"blk.{i}.{n}.weight", n_embd, n_embd)
-        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +155,7 @@ def test_cli_quantize_and_dequantize(tiny: Path, tmp_path: Path, monkeypatch: py
     assert f16["name"] == "tiny:q4-f16" and f16["quant"] == "F16"
 
 
+@pytest.mark.slow
 def test_gemma_dequantize_generates_same_text(tmp_path: Path, gemma_file: Path) -> None:
     GEMMA = gemma_file  # noqa: N806 - the assembled gemma-3-270m Q4_K_M (conftest)
     import llama_cpp

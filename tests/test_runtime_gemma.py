@@ -9,6 +9,8 @@ import pytest
 from localllm.runtime.engine import Engine
 from localllm.runtime.types import GenerationParams, Request
 
+pytestmark = pytest.mark.slow  # the real gemma-3-270m
+
 GREEDY = GenerationParams(temperature=0)
 
 

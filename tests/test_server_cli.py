@@ -7,13 +7,13 @@ import json
 import httpx
 import pytest
 from click.testing import CliRunner
-from test_server_harness import TINY, Server, srv  # noqa: F401 - fixture
+from helpers import TINY, Server, free_port
 
 from localllm.cli import cli
 from localllm.cli.serve import _settings, processor
 
 
-def test_ps_shows_loaded_models(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_ps_shows_loaded_models(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": "", "keep_alive": "1h"})
     monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{srv.port}")
     res = CliRunner().invoke(cli, ["ps"])
@@ -24,8 +24,6 @@ def test_ps_shows_loaded_models(srv: Server, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_ps_without_server_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_server_harness import free_port
-
     monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{free_port()}")
     res = CliRunner().invoke(cli, ["ps"], standalone_mode=False)
     assert res.exception is not None and "localllm serve" in str(res.exception)
@@ -45,7 +43,7 @@ def test_processor_column() -> None:
     assert processor(100, 70) == "30%/70% CPU/GPU"
 
 
-def test_unknown_routes_answer_in_dialect_shape(srv: Server) -> None:  # noqa: F811
+def test_unknown_routes_answer_in_dialect_shape(srv: Server) -> None:
     r = httpx.get(srv.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(srv.url + "/api/nothing")
@@ -54,7 +52,7 @@ def test_unknown_routes_answer_in_dialect_shape(srv: Server) -> None:  # noqa: F
     assert r.status_code == 405 and "error" in r.json()
 
 
-def test_curl_style_bodies_are_json(srv: Server) -> None:  # noqa: F811
+def test_curl_style_bodies_are_json(srv: Server) -> None:
     # `curl -d '{...}'` sends application/x-www-form-urlencoded; Ollama's docs rely on it working
     body = json.dumps({"model": TINY, "prompt": "hi", "stream": False, "options": {"num_predict": 2}})
     for ctype in ("application/x-www-form-urlencoded", "text/plain", None):

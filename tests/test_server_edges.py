@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_server_harness import TINY, Server, srv, start_server, wait_idle  # noqa: F401 - fixture
+from helpers import TINY, Server, start_server, wait_idle
 
 MSG = [{"role": "user", "content": "Tell me a story."}]
 
 
-def test_disconnect_cancels_generation(srv: Server) -> None:  # noqa: F811
+def test_disconnect_cancels_generation(srv: Server) -> None:
     body = {"model": TINY, "messages": MSG, "max_tokens": 6000, "stream": True, "temperature": 0,
             "options": {"num_ctx": 8192}}
     httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})  # load at 8192
@@ -36,7 +36,7 @@ def test_disconnect_cancels_generation(srv: Server) -> None:  # noqa: F811
     assert r2.status_code == 200
 
 
-def test_sixteen_concurrent_streams(srv: Server) -> None:  # noqa: F811
+def test_sixteen_concurrent_streams(srv: Server) -> None:
     async def main() -> list[tuple[str, int]]:
         ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -95,7 +95,7 @@ def test_full_queue_is_503_with_retry_after(narrow: Server) -> None:
     assert r.status_code == 200
 
 
-def test_host_and_origin_rules(srv: Server) -> None:  # noqa: F811
+def test_host_and_origin_rules(srv: Server) -> None:
     assert httpx.get(srv.url + "/api/tags", headers={"Host": "evil.com"}).status_code == 403
     assert httpx.get(srv.url + "/api/tags", headers={"Host": "localhost:11434"}).status_code == 200
     r = httpx.post(srv.url + "/v1/chat/completions", headers={"Origin": "https://evil.com"},
@@ -160,7 +160,7 @@ class _BrokenStream:
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_mid_stream_failure_is_reported_in_band(srv: Server, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+def test_mid_stream_failure_is_reported_in_band(srv: Server, monkeypatch: pytest.MonkeyPatch,
                                                 raw: bool) -> None:
     httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": ""})
     engine = srv.pool.engines()[0][1]

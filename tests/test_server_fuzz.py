@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from test_server_harness import TINY, Server, srv  # noqa: F401 - fixture
+from helpers import TINY, Server
 
 ODD = [None, True, -1, 0, 10 ** 12, 1.5e308, "x", "", [], {}, [1, "a"], {"a": {"b": []}}, "\x00\ud7ff"]
 MSG = [{"role": "user", "content": "hi"}]
@@ -46,7 +46,7 @@ def _bodies() -> list[tuple[str, dict[str, object]]]:
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_no_5xx(srv: Server, route: str) -> None:  # noqa: F811
+def test_no_5xx(srv: Server, route: str) -> None:
     bodies = [b for r, b in _bodies() if r == route]
     with httpx.Client(base_url=srv.url, timeout=15) as c:
         for body in bodies:

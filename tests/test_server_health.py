@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server_harness import TINY, start_server
+from helpers import TINY, start_server
 
 
 def test_health_says_loading_while_the_pool_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from test_server_harness import TINY, Server, srv, wait_idle  # noqa: F401 - fixture
+from helpers import TINY, Server, wait_idle
 
 # the fields llama.vim's s:fim_on_* builds (see llama.vim's autoload/llama.vim)
 VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
@@ -24,11 +24,11 @@ def vim_request(prefix: str, line: str, n_predict: int, **kw: object) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def http(srv: Server) -> httpx.Client:  # noqa: F811
+def http(srv: Server) -> httpx.Client:
     return httpx.Client(base_url=srv.url, timeout=60)
 
 
-def test_infill_warmup_then_cached(http: httpx.Client, srv: Server) -> None:  # noqa: F811
+def test_infill_warmup_then_cached(http: httpx.Client, srv: Server) -> None:
     warm = http.post("/infill", json=vim_request(PREFIX, "    ", 0))
     assert warm.status_code == 200, warm.text
     w = warm.json()
@@ -75,7 +75,7 @@ def test_infill_bad_input_extra(http: httpx.Client, extra: object) -> None:
     assert "input_extra" in r.json()["error"]["message"]
 
 
-def test_infill_bad_bodies(http: httpx.Client, srv: Server) -> None:  # noqa: F811
+def test_infill_bad_bodies(http: httpx.Client, srv: Server) -> None:
     for body in [b"{", b'{"input_prefix": 5}', b'{"n_predict": "x"}', b'{"model": "ghost", "input_prefix": "a"}',
                  b'{"input_prefix": "a", "top_p": 7}']:
         r = http.post("/infill", content=body, headers={"content-type": "application/json"})

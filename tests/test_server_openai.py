@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from test_server_harness import TINY, Server, srv  # noqa: F401 - fixture
+from helpers import CALL_SCHEMA, TINY, TOOLS, Server
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -16,7 +16,7 @@ MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def client(srv: Server) -> openai.OpenAI:  # noqa: F811
+def client(srv: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -44,7 +44,7 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert text == full.choices[0].message.content
 
 
-def test_sse_ends_with_done(srv: Server) -> None:  # noqa: F811
+def test_sse_ends_with_done(srv: Server) -> None:
     r = httpx.post(srv.url + "/v1/chat/completions", json={"model": TINY, "messages": MSGS, "max_tokens": 3,
                                                            "stream": True}, timeout=30)
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -65,7 +65,7 @@ def test_completions_suffix_is_fim(client: openai.OpenAI) -> None:
     assert r.usage and r.usage.prompt_tokens > len("<PRE><SUF><MID>")  # the FIM markers went in
 
 
-def test_async_client(srv: Server) -> None:  # noqa: F811
+def test_async_client(srv: Server) -> None:
     async def main() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         async def one(i: int) -> str:
@@ -107,7 +107,7 @@ def test_embeddings(client: openai.OpenAI) -> None:
         client.embeddings.create(model="ghost:1", input="x")
 
 
-def test_per_request_context_size(client: openai.OpenAI, srv: Server) -> None:  # noqa: F811
+def test_per_request_context_size(client: openai.OpenAI, srv: Server) -> None:
     client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=2,  # type: ignore[arg-type]
                                    extra_body={"n_ctx": 512})
     assert [m["context_length"] for m in srv.pool.loaded()] == [512]
@@ -116,7 +116,7 @@ def test_per_request_context_size(client: openai.OpenAI, srv: Server) -> None:  
     assert [m["context_length"] for m in srv.pool.loaded()] == [1024]
 
 
-def test_errors_have_openai_shape(client: openai.OpenAI, srv: Server) -> None:  # noqa: F811
+def test_errors_have_openai_shape(client: openai.OpenAI, srv: Server) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="nope:1b", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
     assert "not installed" in str(exc.value)
@@ -138,7 +138,7 @@ def test_errors_have_openai_shape(client: openai.OpenAI, srv: Server) -> None:  
         assert str(srv.root) not in r.text
 
 
-def test_context_overflow_is_400(client: openai.OpenAI, srv: Server) -> None:  # noqa: F811
+def test_context_overflow_is_400(client: openai.OpenAI, srv: Server) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=TINY, prompt="word " * 3000, max_tokens=2)
     assert "tokens" in str(exc.value) and "context" in str(exc.value)
@@ -146,15 +146,6 @@ def test_context_overflow_is_400(client: openai.OpenAI, srv: Server) -> None:  #
     r = client.chat.completions.create(model=TINY, max_tokens=2,  # type: ignore[arg-type]
                                        messages=[MSGS[0], {"role": "user", "content": "word " * 3000}])
     assert r.choices[0].finish_reason in ("length", "stop")
-
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-# the tiny model has random weights: a grammar makes it "decide" to call the tool
-CALL_SCHEMA = {"type": "object", "properties": {
-    "name": {"enum": ["get_weather"]},
-    "arguments": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
-                  "additionalProperties": False}}, "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def test_tool_calls(client: openai.OpenAI) -> None:
@@ -171,7 +162,7 @@ def test_tool_calls(client: openai.OpenAI) -> None:
 
 
 def test_parse_tool_calls_hermes_style() -> None:
-    from localllm.server.generation import parse_tool_calls
+    from localllm.server.wire import parse_tool_calls
 
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     assert parse_tool_calls(text) == ("Sure.", [{"name": "f", "arguments": {"x": 1}}])

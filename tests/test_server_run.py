@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_harness import TINY, Server, free_port, install, srv  # noqa: F401 - fixture
+from helpers import TINY, Server, free_port, install
 from tinymodel import make_tiny_gguf
 
 ARGS = ["--max-tokens", "6", "--temperature", "0"]
@@ -21,7 +21,7 @@ def localllm(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120, check=False, stdin=subprocess.DEVNULL)
 
 
-def predicted(srv: Server) -> int:  # noqa: F811
+def predicted(srv: Server) -> int:
     text = httpx.get(srv.url + "/metrics").text
     return int(re.search(r"^llamacpp:tokens_predicted_total (\d+)", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
 
@@ -33,7 +33,7 @@ def install_locally(tmp_path: Path) -> None:
     install(Store(), make_tiny_gguf(tmp_path / "tiny.gguf"), TINY)
 
 
-def test_run_uses_the_running_server(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_run_uses_the_running_server(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{srv.port}")
     httpx.post(srv.url + "/api/generate", json={"model": TINY, "prompt": ""})  # loaded, so /metrics counts it
     before = predicted(srv)
@@ -50,7 +50,7 @@ def test_run_uses_the_running_server(srv: Server, monkeypatch: pytest.MonkeyPatc
     assert raw.stdout.rstrip("\n") == direct.json()["response"]  # same request, same greedy answer
 
 
-def test_no_server_flag_runs_in_process(srv: Server, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+def test_no_server_flag_runs_in_process(srv: Server, monkeypatch: pytest.MonkeyPatch,
                                         tmp_path: Path) -> None:
     monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{srv.port}")
     install_locally(tmp_path)
@@ -69,7 +69,7 @@ def test_run_without_a_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert res.stdout.strip() and "TTFT" in res.stderr and "(server)" not in res.stderr
 
 
-def test_server_errors_are_clean(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_server_errors_are_clean(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{srv.port}")
     res = localllm("run", TINY, "hi", "--max-tokens", "0")  # the server refuses it with a 400
     assert res.returncode == 1 and "positive integer" in res.stderr and "Traceback" not in res.stderr

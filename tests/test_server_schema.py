@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
+from helpers import FIM, TINY, install
 from hypothesis import HealthCheck, settings
-from test_server_harness import FIM, TINY, install
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_harness import TINY, Server, install, start_server, wait_idle
+from helpers import TINY, Server, install, start_server, wait_idle
 
 from localllm.config import load_settings
 

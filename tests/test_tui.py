@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,115 +10,18 @@ import pytest
 
 pytest.importorskip("textual")
 
-from localllm.runtime.types import Chunk, Notice, Timings, Usage
+from helpers import FakeBackend, FakeStream, replies, script, send, wait_for
+
+from localllm.runtime.types import Notice
 from localllm.tui.app import ChatApp, create_app
-from localllm.tui.backend import CatalogRow, ChatSettings, ModelRow, PullProgress
+from localllm.tui.backend import ChatSettings
 from localllm.tui.history import History
-from localllm.tui.widgets import AssistantTurn, StatusBar, UserTurn
+from localllm.tui.widgets import StatusBar, UserTurn
 
 pytestmark = pytest.mark.anyio  # anyio's pytest plugin runs the async tests (no pytest-asyncio needed)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-# ---- a scripted fake backend ---------------------------------------------------------------------
-class FakeStream:
-    """Yields scripted chunks, paced by `delay` seconds each or `rate` chunks per second; cancel() stops it."""
-
-    def __init__(self, chunks: list[Chunk], delay: float = 0.0, rate: float | None = None,
-                 gate: threading.Event | None = None, hold_after: int | None = None) -> None:
-        self.chunks, self.delay, self.rate, self.gate = chunks, delay, rate, gate
-        self.hold_after = hold_after  # stop emitting after this many chunks until cancelled (screenshots)
-        self.cancelled = threading.Event()
-        self.started_at: float | None = None
-        self.emitted_last_at: float | None = None  # perf_counter when the final chunk was handed out
-
-    def __iter__(self) -> Iterator[Chunk]:
-        if self.gate is not None:  # "reading the prompt" until the test opens the gate
-            self.gate.wait(10)
-        t0 = self.started_at = time.perf_counter()
-        for i, chunk in enumerate(self.chunks):
-            if i == self.hold_after:
-                self.cancelled.wait()
-            if self.rate:
-                wait = t0 + i / self.rate - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-            elif self.delay:
-                self.cancelled.wait(self.delay)
-            if self.cancelled.is_set():
-                yield Chunk(finish_reason="cancelled", usage=Usage(), timings=Timings())
-                return
-            if chunk.finish_reason is not None:
-                self.emitted_last_at = time.perf_counter()
-            yield chunk
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-def script(text: str, *, per: int = 1, notice: Notice | None = None, finish: str = "stop",
-           draft: bool = False) -> list[Chunk]:
-    """Chunks for `text`, `per` words each, then a final chunk with usage and timings."""
-    words = text.split(" ")
-    pieces = [" ".join(words[i:i + per]) + (" " if i + per < len(words) else "") for i in range(0, len(words), per)]
-    chunks = [Chunk(text=p) for p in pieces]
-    if notice is not None:
-        chunks.insert(len(chunks) // 2, Chunk(notice=notice))
-    timings = Timings(queue_ms=1, prompt_ms=41, decode_ms=100, prompt_tokens=30, cached_tokens=12,
-                      n_decoded=len(pieces), draft_n=10 if draft else 0, draft_accepted=7 if draft else 0)
-    chunks.append(Chunk(finish_reason=finish, usage=Usage(30, len(pieces), 12), timings=timings))  # type: ignore[arg-type]
-    return chunks
-
-
-class FakeBackend:
-    def __init__(self, models: Sequence[str] = ("tiny:latest", "other:1b")) -> None:
-        self._models = [ModelRow(m, 1_500_000, "Q4_K_M", 2048) for m in models]
-        self._catalog = [CatalogRow("gemma3:270m", "a small model", False, 32768)]
-        self.queue: list[FakeStream] = []
-        self.calls: list[tuple[str, list[dict[str, Any]], ChatSettings]] = []
-        self.streams: list[FakeStream] = []
-
-    def enqueue(self, stream: FakeStream) -> FakeStream:
-        self.queue.append(stream)
-        return stream
-
-    def models(self) -> list[ModelRow]:
-        return list(self._models)
-
-    def catalog(self) -> list[CatalogRow]:
-        return list(self._catalog)
-
-    def n_ctx(self, model: str) -> int | None:
-        return 2048
-
-    def pull(self, name: str, progress: PullProgress) -> None:
-        progress.status("downloading")
-        for done in (0, 50, 100):
-            progress.bytes("sha256:x", 100, done)
-        self._models.append(ModelRow(name, 100, "Q4_K_M", 32768))
-        self._catalog = [CatalogRow(c.name, c.description, c.name == name or c.installed, c.context)
-                         for c in self._catalog]
-
-    def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> FakeStream:
-        self.calls.append((model, [dict(m) for m in messages], settings))
-        stream = self.queue.pop(0) if self.queue else FakeStream(script("ok"))
-        self.streams.append(stream)
-        return stream
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-async def wait_for(pilot: Any, cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await pilot.pause(0.01)
-
-
+# ---- helpers (the fake backend, wait_for, replies and send are shared: tests/helpers.py) ------------
 def screen_text(app: ChatApp) -> str:
     """Everything on screen as plain text (an exported SVG keeps the text, one span per run)."""
     import html
@@ -130,20 +31,9 @@ def screen_text(app: ChatApp) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", svg)).replace("\xa0", " ")
 
 
-def replies(app: ChatApp) -> list[str]:
-    return [w.source for w in app.query(AssistantTurn)]
-
-
 def new_app(tmp_path: Path, backend: Any = None, **kw: Any) -> tuple[ChatApp, Any]:
     backend = backend or FakeBackend()
     return create_app(backend, db_path=tmp_path / "chats.sqlite", **kw), backend
-
-
-async def send(pilot: Any, text: str) -> None:
-    prompt = pilot.app.query_one("#prompt")
-    prompt.load_text(text)
-    prompt.focus()
-    await pilot.press("enter")
 
 
 # ---- tests ---------------------------------------------------------------------------------------
@@ -321,7 +211,7 @@ async def test_real_engine_tiny_model(tmp_path: Path) -> None:
 
     path = make_tiny_gguf(tmp_path / "tiny.gguf")
     with Engine(path, n_ctx=256, slots=1, n_batch=64, threads=1) as engine:
-        backend = EngineBackend.single(engine, "tiny", template="plain")
+        backend = EngineBackend.single(engine, "tiny")
         app = create_app(backend, model="tiny", db_path=tmp_path / "chats.sqlite")
         app.settings = ChatSettings(system="Be brief.", temperature=0.0, max_tokens=12)
         async with app.run_test(size=(80, 24)) as pilot:

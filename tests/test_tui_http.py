@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("textual")
 
-from test_server_harness import TINY, Server, free_port, srv  # noqa: F401 - fixture
-from test_tui import replies, send, wait_for
+from helpers import TINY, Server, free_port, replies, send, wait_for
 
 from localllm.cli.client import find_server
 from localllm.errors import InvalidInput, LocalLLMError, ModelNotFound
@@ -21,19 +20,14 @@ from localllm.tui.backend import ChatSettings
 from localllm.tui.http_backend import HttpBackend
 from localllm.tui.widgets import StatusBar
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+pytestmark = pytest.mark.anyio  # on asyncio: conftest's anyio_backend
 
 
 def settings_for(port: int) -> SimpleNamespace:
     return SimpleNamespace(host="127.0.0.1", port=port, api_key=None)
 
 
-async def test_app_streams_a_reply_over_http(srv: Server, tmp_path: Path) -> None:  # noqa: F811
+async def test_app_streams_a_reply_over_http(srv: Server, tmp_path: Path) -> None:
     backend = HttpBackend(srv.url)
     app = create_app(backend, db_path=tmp_path / "chats.sqlite")
     app.settings = ChatSettings(system="Be brief.", temperature=0.0, max_tokens=8)
@@ -52,7 +46,7 @@ def metric(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"llamacpp:{name} "))
 
 
-async def test_escape_cancels_and_frees_the_slot(srv: Server, tmp_path: Path) -> None:  # noqa: F811
+async def test_escape_cancels_and_frees_the_slot(srv: Server, tmp_path: Path) -> None:
     backend = HttpBackend(srv.url)
     app = create_app(backend, model=TINY, db_path=tmp_path / "chats.sqlite")
     # 4 context-fulls of 4096 under the shift policy: far longer than the test takes to press esc (the
@@ -76,7 +70,7 @@ async def test_escape_cancels_and_frees_the_slot(srv: Server, tmp_path: Path) ->
     backend.close()
 
 
-def test_models_errors_and_options(srv: Server) -> None:  # noqa: F811
+def test_models_errors_and_options(srv: Server) -> None:
     backend = HttpBackend(srv.url)
     [row] = backend.models()
     assert row.name == TINY and row.size > 0 and row.quant and row.context
@@ -95,7 +89,7 @@ def test_models_errors_and_options(srv: Server) -> None:  # noqa: F811
     backend.close()
 
 
-def test_find_server(srv: Server) -> None:  # noqa: F811
+def test_find_server(srv: Server) -> None:
     t0 = time.monotonic()
     assert find_server(settings_for(free_port())) is None
     assert time.monotonic() - t0 < 1.0
@@ -103,7 +97,7 @@ def test_find_server(srv: Server) -> None:  # noqa: F811
     assert find_server(SimpleNamespace(host="0.0.0.0", port=srv.port, api_key=None)) == srv.url
 
 
-def test_build_backend_prefers_a_running_server(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_build_backend_prefers_a_running_server(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     from localllm.cli.chat import build_backend
     from localllm.tui.backend import EngineBackend
 

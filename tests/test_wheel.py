@@ -40,15 +40,15 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "localllm/models.toml" in names
-    for module in ("localllm/cli/__init__.py", "localllm/quantize.py", "localllm/doctor.py",
-                   "localllm/runtime/devices.py", "localllm/store.py", "localllm/catalog.py"):
+    for module in ("localllm/cli/__init__.py", "localllm/models/quantize.py", "localllm/machine/doctor.py",
+                   "localllm/runtime/devices.py", "localllm/models/store.py", "localllm/models/catalog.py"):
         assert module in names, module
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "localllm = localllm.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_fresh_venv_install_and_generate(wheel: Path, tmp_path: Path) -> None:
-    from test_quantize import write_tiny_llama
+    from tinymodel import write_tiny_llama
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)

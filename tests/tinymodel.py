@@ -194,3 +194,51 @@ def make_tiny_gemma3_gguf(path: str | Path, *, n_swa: int = 32, n_layer: int = 6
     w.add_tensor("output_norm.weight", norm(n_embd))
     _finish(w, mat(n_vocab, n_embd, 1.0), types)
     return path
+
+
+def write_tiny_llama(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer: int = 2, seed: int = 0) -> Path:
+    """A llama GGUF with F32 random weights; every row is a multiple of 256 so K-quants apply."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_rope_dimension_count(n_embd // 4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # ALL_F32
+    # SentencePiece-style vocab: <unk> <s> </s> + 256 byte tokens + a few words
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"\u2581w{i}" for i in range(61)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 3 + [-100.0] * 256 + [-1.0 - i for i in range(61)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 61)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def rand(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    rand("token_embd.weight", len(tokens), n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    rand("output.weight", len(tokens), n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            rand(f"blk.{i}.{n}.weight", n_embd, n_embd)
+        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

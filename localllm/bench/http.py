@@ -270,19 +270,6 @@ def llama_cpp_server(path: Path, *, threads: int, ctx: int) -> Iterator[str]:
 
 
 # ---- in-process baseline --------------------------------------------------------------------------
-def engine_kwargs(path: Path, *, threads: int, ctx: int, slots: int) -> dict[str, Any]:
-    """What the server's composer plans for this model and these settings (compose.Composer._plan)."""
-    try:
-        from localllm.machine.fit import plan_fit
-        from localllm.models.gguf_meta import model_info
-
-        plan = plan_fit(model_info(path), slots=slots, want_ctx=ctx, threads=threads)
-        return {"n_ctx": plan.n_ctx, "slots": plan.slots, "threads": plan.threads,
-                "n_gpu_layers": plan.n_gpu_layers, "kv_type": plan.kv_type, "flash_attn": plan.flash_attn}
-    except ImportError:
-        return {"n_ctx": ctx, "slots": slots, "threads": threads}
-
-
 def engine_round(eng: Any, gen: int, r: int) -> float:
     """One single-stream run of the in-process Engine: decode tok/s as a client of the stream sees it."""
     from localllm.runtime.types import GenerationParams, Request
@@ -323,7 +310,10 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
     say = log or (lambda msg: None)
     path = _model_file(model)
     slots = max(clients)
-    kw = engine_kwargs(path, threads=threads, ctx=ctx, slots=slots)
+    from localllm.compose.spec import engine_kwargs
+    from localllm.models.gguf_meta import model_info
+
+    kw, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads)  # what the server plans too
     say(f"in-process engine ({kw}) and localllm serve, single stream interleaved...")
     res: dict[str, Any] = {"model": model, "settings": {"threads": threads, "ctx": ctx, "slots": slots, "gen": gen,
                                                        "clients": clients, "requests_per_client": per_client}}

@@ -115,11 +115,11 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
     from localllm.models.quantize import (
         FTYPES,
         UNQUANTIZED,
-        resolve_source,
-        is_unquantized,
         dequantize_to_f16,
+        is_unquantized,
         quantize,
         read_gguf,
+        resolve_source,
     )
     from localllm.models.store import Store
     from localllm.runtime.perplexity import default_text_path
@@ -181,9 +181,11 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
             "n_weights": n_weights, "notes": notes, "rows": rows}
 
 
-def render(report: dict[str, Any]) -> str:
-    from localllm.cli.render import human_bytes
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
 
+
+def render(report: dict[str, Any]) -> str:
     title = (f"quant ladder of {report['source_name']} — perplexity on {Path(report['text']).name} "
              f"(ctx {report['ctx']}), one subprocess per quant")
     lines = [title]
@@ -192,10 +194,10 @@ def render(report: dict[str, Any]) -> str:
            f"{'decode t/s':>11} {'peak RSS':>10}")
     lines += [hdr, "-" * len(hdr)]
     for r in report["rows"]:
-        lines.append(f"{r['type']:7} {human_bytes(r['size']):>10} {r['bytes_per_weight']:8.3f} "
+        lines.append(f"{r['type']:7} {_mb(r['size']):>10} {r['bytes_per_weight']:8.3f} "
                      f"{r['ppl']:9.3f} "
                      f"{r['ppl_change_pct']:+7.2f}% {r['prompt_tok_s']:11.1f} {r['decode_tok_s']:11.1f} "
-                     f"{human_bytes(r['peak_rss']):>10}")
+                     f"{_mb(r['peak_rss']):>10}")
     return "\n".join(lines)
 
 

@@ -31,15 +31,11 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     from localllm.tui.backend import EngineBackend
 
     if model and is_file:
-        from localllm.models.gguf_meta import model_info
+        from localllm.compose.formats import file_format
 
         path = Path(model).expanduser()
         engine = Engine(path, n_ctx=ctx or 4096, slots=1)
-        backend = EngineBackend.single(engine, path.name, template="plain")
-        tpl = model_info(path).chat_template
-        if tpl:  # the file's own template beats the plain fallback
-            backend.format_for = lambda _m, _e: (tpl, [])
-        return backend, path.name
+        return EngineBackend.single(engine, path.name, file_format(path, None, engine.model)), path.name
 
     from localllm.compose.spec import Composer
     from localllm.config import load_settings
@@ -57,14 +53,10 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     def engine_for(name: str, chat_settings: Any) -> Any:
         return pool.get(name, options={"num_ctx": chat_settings.num_ctx} if chat_settings.num_ctx else None)
 
-    def format_for(name: str, engine: Any) -> tuple[str, list[str]]:
-        fmt = composer.chat_format(name, engine)
-        return fmt.template, list(fmt.stops)
-
     def puller(name: str, progress: Any) -> None:
         pull_mod.pull(catalog.resolve(name), store, progress)
 
-    return EngineBackend(engine_for, format_for, store=store, catalog_=catalog, puller=puller), model
+    return EngineBackend(engine_for, composer.builder, store=store, catalog_=catalog, puller=puller), model
 
 
 @click.command()

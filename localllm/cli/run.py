@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,61 +47,6 @@ def _auto_pull(model: str) -> Path:
     click.echo(f"{model} is not installed; pulling it first...", err=True)
     result = pull_mod.pull(source)
     return Path(Store().model_path(result.manifest.name))
-
-
-class Chat:
-    """Chat prompt rendering: the GGUF template, else the catalog's built-in, else the raw text."""
-
-    def __init__(self, path: Path, template_name: str | None) -> None:
-        self.template: str | None = None
-        self.stops: list[str] = []
-        try:
-            from localllm.models.gguf_meta import model_info
-            from localllm.runtime import templates
-
-            tpl = model_info(path).chat_template
-            if tpl:
-                self.template = tpl
-            elif template_name:
-                self.template = templates.builtin_template(template_name)
-                self.stops = list(templates.BUILTIN_STOPS.get(template_name, ()))
-        except (ImportError, AttributeError):
-            self.template = None
-
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, str]:
-        """(prompt, system prefix) for the messages; raw text when there is no template."""
-        if self.template is None:
-            text = "\n\n".join(m["content"] for m in messages)
-            return text, ""
-        from localllm.runtime.templates import render_chat_parts
-
-        parts = render_chat_parts(self.template, messages, add_generation_prompt=True)
-        return parts.text, parts.system_prefix
-
-
-def _engine_kwargs(path: Path, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
-                   kv_type: str | None) -> dict[str, Any]:
-    """Fit plan (hardware.plan_fit) with the user's overrides; plain defaults if it is unavailable."""
-    try:
-        from localllm.machine.fit import plan_fit
-        from localllm.models.gguf_meta import model_info
-
-        plan = plan_fit(model_info(path), slots=slots, want_ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type,
-                        threads=threads)
-        return {"n_ctx": plan.n_ctx, "slots": plan.slots, "threads": plan.threads,
-                "n_gpu_layers": plan.n_gpu_layers, "kv_type": plan.kv_type, "flash_attn": plan.flash_attn}
-    except ImportError:
-        return {"n_ctx": ctx or 4096, "slots": slots, "threads": threads or os.cpu_count() or 2,
-                "n_gpu_layers": gpu_layers or 0, "kv_type": kv_type or "f16"}
-
-
-def _n_keep(engine: Any, text: str, system: str) -> int:
-    """Tokens of the system prefix as they appear in the whole prompt (its last token may merge)."""
-    if not system:
-        return 0
-    from localllm.runtime.prefix_cache import common_prefix
-
-    return common_prefix(engine.tokenize(system), engine.tokenize(text))
 
 
 def _stream(engine: Any, req: Any, verbose: bool) -> str:
@@ -168,7 +112,6 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     --draft and --lookup (speculative decoding) run in this process.
     """
     from localllm.runtime.engine import Engine
-    from localllm.runtime.types import GenerationParams, Request
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
@@ -182,22 +125,24 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
 
         open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx)
         return
-    kwargs = _engine_kwargs(path, ctx, slots, threads, gpu_layers, kv_type)
+    from localllm.compose.formats import file_format, raw_format
+    from localllm.compose.requests import Options, RequestBuilder
+    from localllm.compose.spec import engine_kwargs
+    from localllm.models.gguf_meta import model_info
+
+    kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                              kv_type=kv_type)
     if draft or lookup:
         from localllm.runtime.speculative import SpecConfig
 
         kwargs["spec"] = SpecConfig(draft_model=resolve_model(draft)[0] if draft else None, draft_name=draft or "",
                                     lookup=lookup, draft_max=draft_max)
         kwargs["name"] = model
-    params = GenerationParams(temperature=temperature, seed=seed)
-    chat = Chat(path, None if raw else template_name)
-    if raw:
-        chat.template = None
+    options = Options(sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens,
+                      max_tokens_name="--max-tokens")
     with Engine(path, **kwargs) as engine:
-        text, system = chat.render([{"role": "user", "content": prompt}])
-        n_keep = _n_keep(engine, text, system)
-        _stream(engine, Request(text, params, max_tokens=max_tokens, stop=chat.stops, context_policy="shift",
-                                n_keep=n_keep), verbose)
+        fmt = raw_format() if raw else file_format(path, template_name, engine.model)
+        _stream(engine, RequestBuilder(fmt, engine).prompt(prompt, options, template=not raw, policy="shift"), verbose)
         sys.stdout.write("\n")
 
 

@@ -1,57 +1,40 @@
-"""Wire the runtime to the model files: the ModelPool resolver and per-model prompt formatting.
+"""Wire the runtime to the model files: name → ModelSpec (the ModelPool's resolver) → engine settings,
+and name → ChatFormat → RequestBuilder for the doors.
 
 The pool knows files and engine options, not names; this module turns a model name (and per-request
 options such as `num_ctx`) into a ModelSpec from the store, the GGUF header, the catalog and the
-hardware fit plan. It also says how to talk to each model: its chat template (from the GGUF, else the
-catalog's built-in fallback, else "plain" for base models) and its fill-in-the-middle token strings.
+machine's fit plan. The server, the CLI, the chat UI and the benches all get engine settings from
+`engine_kwargs` here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
+from localllm.compose.formats import ChatFormat, chat_format
+from localllm.compose.requests import RequestBuilder
 from localllm.errors import InvalidInput
 from localllm.runtime.pool import ModelSpec
 
-# GGUF metadata key stem -> the role names templates.fim_prompt expects
-_FIM_ROLES = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle", "fim_rep": "repo", "fim_sep": "sep"}
 MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
-FALLBACK_TEMPLATE = "plain"  # a GGUF without a template and no catalog entry is most likely a base model
 
 
-@dataclass
-class ChatFormat:
-    """How to prompt one model: template source, extra stop strings, FIM token strings."""
+def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
+                  gpu_layers: int | None = None, kv_type: str | None = None) -> tuple[dict[str, Any], Any]:
+    """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
+    every value the caller gives overrides the plan's choice."""
+    from localllm.machine.fit import plan_fit
 
-    template: str
-    template_name: str  # "gguf" or a built-in name
-    stops: list[str] = field(default_factory=list)
-    fim: dict[str, str] = field(default_factory=dict)
+    plan = plan_fit(info, **({"slots": slots} if slots else {}), want_ctx=ctx, gpu_layers=gpu_layers,
+                    kv_type=kv_type, threads=threads)
+    return plan.engine_kwargs(), plan
 
-    def render(self, messages: list[dict[str, Any]], engine: Any, **extra: Any) -> tuple[str, int]:
-        """(prompt text, n_keep): n_keep counts the system-prefix tokens a context shift must keep."""
-        from localllm.runtime.templates import render_chat_parts
 
-        parts = render_chat_parts(self.template, messages, add_generation_prompt=True, **extra)
-        n_keep = len(engine.tokenize(parts.system_prefix)) if parts.system_prefix else 0
-        return parts.text, n_keep
-
-    def truncator(self, messages: list[dict[str, Any]], engine: Any, **extra: Any) -> Any:
-        """The engine's truncate_history hook: re-render without the oldest turns until the prompt fits."""
-        from localllm.runtime.templates import render_chat, truncate_history
-
-        def shorter(limit: int) -> str | None:
-            def fits(msgs: list[dict[str, Any]]) -> bool:
-                return len(engine.tokenize(render_chat(self.template, msgs, **extra))) <= limit
-
-            kept, dropped = truncate_history(messages, fits)
-            return render_chat(self.template, kept, **extra) if dropped else None
-
-        return shorter
+def details(info: Any) -> dict[str, Any]:
+    """Ollama's `details` object for a model (tags, show, ps)."""
+    return {"parent_model": "", "format": "gguf", "family": info.architecture, "families": [info.architecture],
+            "parameter_size": info.parameter_label, "quantization_level": info.quant}
 
 
 def _int_option(options: dict[str, Any], key: str, lo: int = 1, hi: int = 1 << 30) -> int | None:
@@ -84,8 +67,6 @@ class Composer:
 
     # ---- the pool's resolver ---------------------------------------------------------------------
     def resolve(self, name: str, options: dict[str, Any]) -> ModelSpec:
-        from localllm.server.models import details
-
         if not isinstance(name, str) or not name.strip():
             raise InvalidInput("missing model name", "send \"model\": \"name:tag\"")
         man, info = self.info(name)
@@ -148,18 +129,9 @@ class Composer:
     def _plan(self, info: Any, want_ctx: int | None, threads: int | None, ngl: int | None,
               n_batch: int | None) -> dict[str, Any]:
         s = self.settings
-        try:
-            from localllm.machine.fit import plan_fit
-
-            plan = plan_fit(info, slots=s.slots, want_ctx=want_ctx, gpu_layers=ngl, kv_type=s.kv_type,
-                            threads=threads)
-            kw: dict[str, Any] = {"n_ctx": plan.n_ctx, "slots": plan.slots, "threads": plan.threads,
-                                  "n_gpu_layers": plan.n_gpu_layers, "kv_type": plan.kv_type,
-                                  "flash_attn": plan.flash_attn, "_size": plan.total_bytes,
-                                  "_vram": plan.weights_gpu_bytes + plan.kv_gpu_bytes}
-        except ImportError:  # hardware probing unavailable: plain, safe defaults
-            kw = {"n_ctx": want_ctx or 4096, "slots": s.slots, "threads": threads or os.cpu_count() or 2,
-                  "n_gpu_layers": ngl or 0, "kv_type": s.kv_type or "f16", "_size": info.size_bytes, "_vram": 0}
+        kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
+                                 kv_type=s.kv_type)
+        kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch
         if s.prefix_cache_bytes is not None:
@@ -168,41 +140,17 @@ class Composer:
 
     # ---- prompt formatting -----------------------------------------------------------------------
     def chat_format(self, name: str, engine: Any) -> ChatFormat:
-        from localllm.runtime import templates
-
+        """How to prompt an installed model (cached per file and name)."""
         man, info = self.info(name)
-        cached = self._formats.get(man.digest + "|" + man.name)
-        if cached is not None:
-            return cached
-        entry = self.catalog.entry(man.name) or {}
-        if info.chat_template:
-            fmt = ChatFormat(info.chat_template, "gguf")
-        else:
-            tname = str(entry.get("template") or FALLBACK_TEMPLATE)
-            try:
-                source = templates.builtin_template(tname)
-            except InvalidInput:
-                tname, source = FALLBACK_TEMPLATE, templates.builtin_template(FALLBACK_TEMPLATE)
-            fmt = ChatFormat(source, tname, stops=list(templates.BUILTIN_STOPS.get(tname, ())))
-        fmt.fim = self._fim_tokens(info, entry, engine)
-        self._formats[man.digest + "|" + man.name] = fmt
+        key = man.digest + "|" + man.name
+        with self._lock:
+            fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = chat_format(info, self.catalog.entry(man.name), getattr(engine, "model", None))
+            with self._lock:
+                self._formats[key] = fmt
         return fmt
 
-    @staticmethod
-    def _fim_tokens(info: Any, entry: dict[str, Any], engine: Any) -> dict[str, str]:
-        """FIM token strings: the GGUF's own token ids rendered as text, else the catalog's strings."""
-        out: dict[str, str] = {}
-        model = getattr(engine, "model", None)
-        for key, tok in (info.fim_tokens or {}).items():
-            role = _FIM_ROLES.get(key)
-            if role is None or tok is None or tok < 0:
-                continue
-            text = ""
-            with contextlib.suppress(Exception):  # an id outside the vocabulary: treat as missing
-                text = model.detokenize([tok], special=True) if model is not None else engine.detokenize([tok])
-            if text:
-                out[role] = text
-        if not all(out.get(k) for k in ("prefix", "suffix", "middle")):
-            cat = entry.get("fim") or {}
-            out = {k: str(v) for k, v in cat.items() if v} if cat else out
-        return out
+    def builder(self, name: str, engine: Any) -> RequestBuilder:
+        """The request builder for a loaded model (its engine) under its name."""
+        return RequestBuilder(self.chat_format(name, engine), engine)

@@ -1,13 +1,25 @@
-"""The consumer side of one request: iterate its chunks (sync or async), cancel it, or collect it."""
+"""The consumer side of one request: iterate its chunks (in a thread, or from an event loop), cancel
+it, or collect it.
+
+`achunks` is the one bridge from a blocking chunk stream to asyncio: one small thread per request
+drains the stream into an asyncio.Queue (an executor wait per chunk would tie up the default pool's
+few threads, one per open stream). When the consumer stops early (a client gone, a limit hit), the
+stream is cancelled and the engine frees the slot at its next step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from localllm.runtime.slots import StreamState
-from localllm.runtime.types import Chunk, Result, Timings, Usage
+from localllm.runtime.types import Chunk, Result
+
+_END = object()
 
 
 class Stream:
@@ -35,20 +47,8 @@ class Stream:
             if not finished:  # the reader stopped early (break, closed generator): stop generating
                 self.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
-        """For event loops: each wait runs in the default executor; closing the iterator cancels."""
-        loop = asyncio.get_running_loop()
-        finished = False
-        try:
-            while True:
-                chunk = await loop.run_in_executor(None, self._state.queue.get)
-                if chunk is None:
-                    finished = True
-                    return
-                yield chunk
-        finally:
-            if not finished:
-                self.cancel()
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return achunks(self)
 
     def cancel(self) -> None:
         self._state.cancelled.set()
@@ -60,15 +60,38 @@ class Stream:
 
     def result(self) -> Result:
         """Collect the whole generation; raises the request's error if it failed."""
-        text, tokens, notices = [], [], []
-        last = Chunk()
+        res = Result(finish_reason="error")
         for chunk in self:
-            text.append(chunk.text)
-            tokens.extend(chunk.tokens)
-            if chunk.notice:
-                notices.append(chunk.notice)
-            last = chunk
-        if last.error is not None:
-            raise last.error
-        return Result("".join(text), tokens, last.finish_reason or "error", last.usage or Usage(),
-                      last.timings or Timings(), notices)
+            res.absorb(chunk)
+        return res
+
+
+async def achunks(stream: Any) -> AsyncIterator[Chunk]:
+    """Iterate a blocking stream of chunks from an event loop; cancels it if the consumer stops early."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is left to read
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def pump() -> None:
+        try:
+            for chunk in stream:
+                put(chunk)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(exc)
+        finally:
+            put(_END)
+
+    threading.Thread(target=pump, name="localllm-stream", daemon=True).start()
+    finished = False
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()

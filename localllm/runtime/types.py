@@ -140,11 +140,26 @@ class Chunk:
 
 @dataclass
 class Result:
-    """A whole generation, collected from its stream."""
+    """A whole generation, folded from its stream chunk by chunk (`absorb`); every door collects with it."""
 
-    text: str
-    tokens: list[int]
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
     notices: list[Notice] = field(default_factory=list)
+
+    def absorb(self, chunk: Chunk) -> None:
+        """Fold in one chunk; raises the chunk's error."""
+        if chunk.error is not None:
+            raise chunk.error
+        self.text += chunk.text
+        self.tokens.extend(chunk.tokens)
+        if chunk.notice is not None:
+            self.notices.append(chunk.notice)
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.timings is not None:
+            self.timings = chunk.timings

@@ -17,13 +17,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput, LocalLLMError
 from localllm.runtime.types import Request as GenRequest
-from localllm.server import generation as gen
-from localllm.server.generation import Body
-from localllm.server.streaming import achunks
+from localllm.runtime.types import Result
+from localllm.server.lifecycle import Generation, held
+from localllm.server.wire import Body
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -125,13 +125,12 @@ def flatten(data: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _build(body: CompletionBody, prompt: str | list[int], engine: Any, policy: str) -> GenRequest:
-    values = {k: getattr(body, k, None) for k in gen.PARAM_KEYS}
+def _wire_options(body: CompletionBody) -> Options:
     n_predict = 1 if body.n_predict == 0 else body.n_predict  # 0 = warm-up: fill the cache, report nothing
-    return GenRequest(prompt, gen.params_from(values), max_tokens=gen.max_tokens_from(n_predict, engine, "n_predict"),
-                      stop=gen.stop_list(body.stop), json_schema=body.json_schema, grammar=body.grammar,
-                      context_policy=gen.context_policy(body.context_policy, policy),  # type: ignore[arg-type]
-                      n_keep=body.n_keep, ignore_eos=body.ignore_eos, **gen.draft_options(body.model_extra or {}))
+    return Options(sampling={k: getattr(body, k, None) for k in PARAM_KEYS}, max_tokens=n_predict,
+                   max_tokens_name="n_predict", stop=body.stop, json_schema=body.json_schema, grammar=body.grammar,
+                   context_policy=body.context_policy, n_keep=body.n_keep, ignore_eos=body.ignore_eos,
+                   draft=body.model_extra or {})
 
 
 def _timings(t: Any) -> dict[str, Any]:
@@ -169,20 +168,15 @@ class _Limits:
         return None
 
 
-async def _generate(request: Request, body: CompletionBody, make_prompt: Any, policy: str) -> Response:
+async def _generate(request: Request, body: CompletionBody, build: Any) -> Response:
     state = request.app.state
     name = default_model(state, body.model)
-    lease = await gen.acquire(state, name)
-    try:
-        prompt = await run_in_threadpool(make_prompt, state, lease)
-        req = _build(body, prompt, lease.engine, policy)
-    except BaseException:
-        lease.release()
-        raise
-    stream = await gen.submit(state, lease, req)
+    g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
+                                                                 _wire_options(body)))
+    req = g.request
     limits, warmup = _Limits(body), body.n_predict == 0
 
-    def final(acc: gen.Collected, stop_type: str) -> dict[str, Any]:
+    def final(acc: Result, stop_type: str) -> dict[str, Any]:
         return {"content": "" if warmup else acc.text, "stop": True, "model": name,
                 "tokens_predicted": 0 if warmup else acc.usage.completion_tokens,
                 "tokens_evaluated": acc.usage.prompt_tokens, "tokens_cached": acc.usage.cached_tokens,
@@ -191,9 +185,9 @@ async def _generate(request: Request, body: CompletionBody, make_prompt: Any, po
 
     async def run() -> AsyncIterator[str | dict[str, Any]]:
         """Text pieces as they come, then the final object."""
-        acc, stop_type = gen.Collected(), None
-        async for chunk in achunks(stream):
-            gen.absorb(acc, chunk)
+        acc, stop_type = Result(), None
+        async for chunk in g.chunks():
+            acc.absorb(chunk)
             if chunk.text and not warmup:
                 kept = limits.cut(acc.text)
                 piece = chunk.text
@@ -203,7 +197,7 @@ async def _generate(request: Request, body: CompletionBody, make_prompt: Any, po
                 if piece:
                     yield piece
                 if kept is not None:
-                    break  # leaving the loop cancels the stream (achunks' finally)
+                    break  # the Generation's close() cancels the rest
             if chunk.finish_reason:
                 stop_type = {"length": "limit"}.get(chunk.finish_reason) or (
                     "word" if chunk.tokens and req.stop else "eos")
@@ -211,7 +205,7 @@ async def _generate(request: Request, body: CompletionBody, make_prompt: Any, po
 
     if not body.stream:
         out: dict[str, Any] = {}
-        async with gen.held(lease):
+        async with g:
             async for item in run():
                 if isinstance(item, dict):
                     out = item
@@ -219,20 +213,19 @@ async def _generate(request: Request, body: CompletionBody, make_prompt: Any, po
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            async for item in run():
-                data = {"content": item, "stop": False} if isinstance(item, str) else \
-                    flatten(item, body.response_fields)
-                yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+            async with g:
+                async for item in run():
+                    data = {"content": item, "stop": False} if isinstance(item, str) else \
+                        flatten(item, body.response_fields)
+                    yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
         except Exception as exc:  # sent to this client only, as an error event
             # our own errors say what went wrong; anything else could carry paths: name its type only
             msg = exc.message if isinstance(exc, LocalLLMError) else f"generation failed ({type(exc).__name__})"
             if not isinstance(exc, LocalLLMError):
                 logging.getLogger("localllm.server").exception("stream failed")
             yield f"data: {json.dumps({'error': {'code': 500, 'message': str(msg)}})}\n\n".encode()
-        finally:
-            lease.release()
 
-    return StreamingResponse(gen.releasing(events(), lease), media_type=SSE)
+    return StreamingResponse(events(), media_type=SSE)
 
 
 @router.post("/infill")
@@ -241,14 +234,10 @@ async def infill(body: InfillBody, request: Request) -> Response:
     if not isinstance(body.prompt, str):
         raise InvalidInput("prompt must be a string for /infill (the text before the cursor on its line)")
 
-    def make(state: Any, lease: gen.Lease) -> str:
-        from localllm.runtime.templates import fim_prompt
+    def build(builder: Any, options: Options) -> GenRequest:
+        return builder.infill(body.input_prefix, body.input_suffix, options, extra=extra, middle_prefix=str(body.prompt))
 
-        fmt = state.composer.chat_format(lease.name, lease.engine)
-        return fim_prompt(body.input_prefix, body.input_suffix, tokens=fmt.fim, extra=extra,
-                          middle_prefix=str(body.prompt))
-
-    return await _generate(request, body, make, "error")
+    return await _generate(request, body, build)
 
 
 @router.post("/completion")
@@ -256,13 +245,12 @@ async def infill(body: InfillBody, request: Request) -> Response:
 async def completion(body: CompletionBody, request: Request) -> Response:
     if not body.prompt:
         raise InvalidInput("prompt is empty", "send \"prompt\": \"text\" or a list of token ids")
-    return await _generate(request, body, lambda state, lease: body.prompt, "error")
+    return await _generate(request, body, lambda builder, options: builder.prompt(body.prompt, options))
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-    lease = await gen.acquire(request.app.state, default_model(request.app.state, body.model))
-    with _released(lease):
+    async with held(request.app.state, default_model(request.app.state, body.model)) as lease:
         toks = lease.engine.tokenize(body.content, add_special=body.add_special, parse_special=True)
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": lease.engine.detokenize([t])} for t in toks]}
@@ -271,23 +259,11 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
-    lease = await gen.acquire(request.app.state, default_model(request.app.state, body.model))
-    with _released(lease):
+    async with held(request.app.state, default_model(request.app.state, body.model)) as lease:
         n_vocab = getattr(getattr(lease.engine, "model", None), "n_vocab", None)
         if n_vocab is not None and any(not 0 <= t < n_vocab for t in body.tokens):
             raise InvalidInput(f"token ids must be in 0..{n_vocab - 1}")
         return {"content": lease.engine.detokenize(body.tokens)}
-
-
-class _released:
-    def __init__(self, lease: gen.Lease) -> None:
-        self.lease = lease
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self.lease.release()
 
 
 @router.get("/health")

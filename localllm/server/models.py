@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from localllm.compose.spec import details
 from localllm.models.gguf_meta import ModelInfo, model_info
 from localllm.models.store import Manifest, Store
 
@@ -18,11 +19,6 @@ def info_for(state: Any, man: Manifest) -> ModelInfo:
 
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat()
-
-
-def details(info: ModelInfo) -> dict[str, Any]:
-    return {"parent_model": "", "format": "gguf", "family": info.architecture, "families": [info.architecture],
-            "parameter_size": info.parameter_label, "quantization_level": info.quant}
 
 
 def tag_entry(state: Any, man: Manifest) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localllm import __version__
 from localllm.errors import LocalLLMError, ModelNotFound
-from localllm.server.generation import Body
 from localllm.server.models import capabilities, details, info_for, rfc3339, tag_entry
+from localllm.server.wire import Body
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"

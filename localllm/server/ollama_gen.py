@@ -16,14 +16,15 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.requests import Options
 from localllm.errors import InvalidInput
 from localllm.runtime.pool import parse_keep_alive
 from localllm.runtime.types import Request as GenRequest
-from localllm.server import generation as gen
-from localllm.server.generation import Body
-from localllm.server.streaming import achunks
+from localllm.runtime.types import Result
+from localllm.server.embeddings import embed_texts
+from localllm.server.lifecycle import Generation, Lease, finish_reason, held
+from localllm.server.wire import Body, parse_tool_calls
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -76,29 +77,22 @@ def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict
     return {k: opts[k] for k in POOL_OPTIONS if opts.get(k) is not None}, opts
 
 
-def _request(opts: dict[str, Any], prompt: str, engine: Any, *, stops: list[str], n_keep: int,
-             fmt: Any, truncate: Any = None) -> GenRequest:
-    num_keep = opts.get("num_keep")
-    if num_keep is not None:
-        if isinstance(num_keep, bool) or not isinstance(num_keep, int) or num_keep < -1:
-            raise InvalidInput(f"options.num_keep must be an integer >= -1, got {num_keep!r}")
-        n_keep = num_keep
-    return GenRequest(prompt, gen.params_from(opts), max_tokens=gen.max_tokens_from(opts.get("num_predict"), engine,
-                      "options.num_predict"), stop=gen.stop_list(opts.get("stop")) + stops,
-                      json_schema=gen.json_format(fmt), context_policy=gen.context_policy(  # type: ignore[arg-type]
-                          opts.get("context_policy"), "shift"), n_keep=n_keep, truncate=truncate,
-                      **gen.draft_options(opts))
+def _wire_options(opts: dict[str, Any], fmt: Any) -> Options:
+    """Ollama's `options` (and `format`) for the request builder."""
+    return Options(sampling=opts, max_tokens=opts.get("num_predict"), max_tokens_name="options.num_predict",
+                   stop=opts.get("stop"), format=fmt, context_policy=opts.get("context_policy"),
+                   n_keep=opts.get("num_keep"), n_keep_name="options.num_keep", draft=opts)
 
 
-def _stats(res: gen.Collected, t0: float, load_ms: float) -> dict[str, Any]:
+def _stats(res: Result, t0: float, load_ms: float) -> dict[str, Any]:
     t = res.timings
-    return {"done_reason": gen.finish_reason(res.finish_reason), "total_duration": int((time.perf_counter() - t0) * 1e9),
+    return {"done_reason": finish_reason(res.finish_reason), "total_duration": int((time.perf_counter() - t0) * 1e9),
             "load_duration": int(load_ms * 1e6), "prompt_eval_count": res.usage.prompt_tokens,
             "prompt_eval_duration": int((t.queue_ms + t.prompt_ms) * 1e6), "eval_count": res.usage.completion_tokens,
             "eval_duration": int(t.decode_ms * 1e6), **_extras(res)}
 
 
-def _extras(res: gen.Collected) -> dict[str, Any]:
+def _extras(res: Result) -> dict[str, Any]:
     """Not Ollama's fields; clients that know them (tui/http_backend.py) read them, others ignore them:
     prompt tokens reused from the KV cache, and what the engine did to the context (last notice + all)."""
     out: dict[str, Any] = {"prompt_cache_count": res.usage.cached_tokens}
@@ -120,8 +114,8 @@ async def _load_or_unload(state: Any, body: _GenCommon, chat: bool) -> Response:
         return JSONResponse({"model": body.model, "created_at": now_rfc3339(), **extra, "done": True,
                              "done_reason": "unload"})
     pool_opts, _ = _split_options(body.options)
-    lease = await gen.acquire(state, body.model, options=pool_opts, keep_alive=body.keep_alive)
-    lease.release()
+    async with held(state, body.model, options=pool_opts, keep_alive=body.keep_alive):
+        pass  # loaded, and kept for keep_alive
     return JSONResponse({"model": body.model, "created_at": now_rfc3339(), **extra, "done": True,
                          "done_reason": "load"})
 
@@ -130,30 +124,19 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
     state = request.app.state
     t0 = time.perf_counter()
     pool_opts, opts = _split_options(body.options)
-    lease = await gen.acquire(state, body.model, options=pool_opts, keep_alive=body.keep_alive)
-    try:
-        req = await run_in_threadpool(build, state, lease, opts)  # rendering stays off the event loop
-    except BaseException:
-        lease.release()
-        raise
-    stream = await gen.submit(state, lease, req)
+    g = await Generation.start(state, body.model, lambda lease: build(state, lease, _wire_options(opts, body.format)),
+                               options=pool_opts, keep_alive=body.keep_alive)
 
     def line(text: str) -> dict[str, Any]:
         head = {"model": body.model, "created_at": now_rfc3339()}
         return {**head, "message": {"role": "assistant", "content": text}} if chat else {**head, "response": text}
 
-    def finish(res: gen.Collected) -> None:
-        if body.keep_alive is not None:
-            state.pool.touch(lease.name, body.keep_alive)
-
     tools = bool(getattr(body, "tools", None))
     if not body.stream or tools:  # a tool call is only recognizable whole: answer in one line
-        async with gen.held(lease):
-            res = await gen.collect(stream)
-        finish(res)
-        out = {**line(res.text), "done": True, **_stats(res, t0, lease.load_ms)}
+        res = await g.collect()
+        out = {**line(res.text), "done": True, **_stats(res, t0, g.load_ms)}
         if tools:
-            content, calls = gen.parse_tool_calls(res.text)
+            content, calls = parse_tool_calls(res.text)
             if calls:
                 out["message"] = {"role": "assistant", "content": content,
                                   "tool_calls": [{"function": c} for c in calls]}
@@ -162,28 +145,25 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
         return JSONResponse(out)
 
     async def lines() -> AsyncIterator[bytes]:
-        acc = gen.Collected()
+        acc = Result()
         try:
-            async for chunk in achunks(stream):
-                if chunk.error is not None:
-                    msg = chunk.error.args[0] if chunk.error.args else "generation failed"
-                    yield (json.dumps({"error": msg}) + "\n").encode()
-                    return
-                gen.absorb(acc, chunk)
-                if chunk.finish_reason:
-                    last = {**line(chunk.text), "done": True, **_stats(acc, t0, lease.load_ms)}
-                    yield (json.dumps(last, ensure_ascii=False) + "\n").encode()
-                elif chunk.text:
-                    yield (json.dumps({**line(chunk.text), "done": False}, ensure_ascii=False) + "\n").encode()
+            async with g:
+                async for chunk in g.chunks():
+                    if chunk.error is not None:
+                        msg = chunk.error.args[0] if chunk.error.args else "generation failed"
+                        yield (json.dumps({"error": msg}) + "\n").encode()
+                        return
+                    acc.absorb(chunk)
+                    if chunk.finish_reason:
+                        last = {**line(chunk.text), "done": True, **_stats(acc, t0, g.load_ms)}
+                        yield (json.dumps(last, ensure_ascii=False) + "\n").encode()
+                    elif chunk.text:
+                        yield (json.dumps({**line(chunk.text), "done": False}, ensure_ascii=False) + "\n").encode()
         except Exception as exc:  # this client's stream only; the server log has the details
             logging.getLogger("localllm.server").exception("stream failed")
             yield (json.dumps({"error": f"generation failed ({type(exc).__name__})"}) + "\n").encode()
-            return
-        finally:
-            lease.release()
-        finish(acc)
 
-    return StreamingResponse(gen.releasing(lines(), lease), media_type=NDJSON)
+    return StreamingResponse(lines(), media_type=NDJSON)
 
 
 @router.post("/api/generate")
@@ -191,19 +171,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if not body.prompt and not body.suffix:
         return await _load_or_unload(request.app.state, body, chat=False)
 
-    def build(state: Any, lease: gen.Lease, opts: dict[str, Any]) -> GenRequest:
-        fmt = state.composer.chat_format(lease.name, lease.engine)
-        prompt, n_keep, stops = body.prompt or "", 0, []
+    def build(state: Any, lease: Lease, options: Options) -> GenRequest:
+        builder = state.composer.builder(lease.name, lease.engine)
         if body.suffix is not None:
-            from localllm.runtime.templates import fim_prompt
-
-            prompt = fim_prompt(prompt, body.suffix, tokens=fmt.fim)
-        elif not body.raw:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                       [{"role": "user", "content": prompt}]
-            prompt, n_keep = fmt.render(messages, lease.engine)
-            stops = fmt.stops
-        return _request(opts, prompt, lease.engine, stops=stops, n_keep=n_keep, fmt=body.format)
+            return builder.infill(body.prompt or "", body.suffix, options, policy="shift")
+        return builder.prompt(body.prompt or "", options, system=body.system, template=not body.raw, policy="shift")
 
     return await _run(request, body, build, chat=False)
 
@@ -213,13 +185,9 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     if not body.messages:
         return await _load_or_unload(request.app.state, body, chat=True)
 
-    def build(state: Any, lease: gen.Lease, opts: dict[str, Any]) -> GenRequest:
-        fmt = state.composer.chat_format(lease.name, lease.engine)
+    def build(state: Any, lease: Lease, options: Options) -> GenRequest:
         messages = [{"role": m.role, "content": m.content or ""} for m in body.messages or []]
-        extra = {"tools": body.tools} if body.tools else {}
-        prompt, n_keep = fmt.render(messages, lease.engine, **extra)
-        return _request(opts, prompt, lease.engine, stops=fmt.stops, n_keep=n_keep, fmt=body.format,
-                        truncate=fmt.truncator(messages, lease.engine, **extra))
+        return state.composer.builder(lease.name, lease.engine).chat(messages, options, tools=body.tools)
 
     return await _run(request, body, build, chat=True)
 
@@ -227,7 +195,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 @router.post("/api/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     texts = body.input if isinstance(body.input, list) else [body.input]
-    vectors, n = await gen.embed_texts(request.app.state, body.model, texts)
+    vectors, n = await embed_texts(request.app.state, body.model, texts)
     return JSONResponse({"model": body.model, "embeddings": vectors, "prompt_eval_count": n})
 
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Request as GenRequest
-from localllm.server import generation as gen
-from localllm.server.generation import Body
-from localllm.server.streaming import achunks
+from localllm.server.embeddings import embed_texts
+from localllm.server.lifecycle import Generation, Lease, finish_reason
+from localllm.server.wire import Body, parse_tool_calls
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -86,13 +86,15 @@ def _options(body: _Common) -> dict[str, Any]:
     return opts
 
 
-def _sampling(body: _Common) -> dict[str, Any]:
-    values = {k: (body.options or {}).get(k) for k in gen.PARAM_KEYS}
-    for key in gen.PARAM_KEYS:
+def _wire_options(body: _Common, max_tokens: Any) -> Options:
+    sampling = {k: (body.options or {}).get(k) for k in PARAM_KEYS}
+    for key in PARAM_KEYS:
         direct = getattr(body, key, None)
         if direct is not None:
-            values[key] = direct
-    return values
+            sampling[key] = direct
+    return Options(sampling=sampling, max_tokens=max_tokens, stop=body.stop,
+                   format=getattr(body, "response_format", None), context_policy=body.context_policy,
+                   draft=body.model_extra or {})
 
 
 def _check_n(body: _Common) -> None:
@@ -114,36 +116,21 @@ def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
                        "send one request per prompt")
 
 
-def _chat_request(state: Any, body: ChatCompletionRequest, lease: gen.Lease) -> GenRequest:
-    _check_n(body)
-    if not body.messages:
-        raise InvalidInput("messages must not be empty")
-    fmt = state.composer.chat_format(lease.name, lease.engine)
+def _chat_request(state: Any, body: ChatCompletionRequest, lease: Lease) -> GenRequest:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    extra = {"tools": body.tools} if body.tools else {}
-    text, n_keep = fmt.render(messages, lease.engine, **extra)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenRequest(text, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(limit, lease.engine),
-                      stop=gen.stop_list(body.stop) + fmt.stops, json_schema=gen.json_format(body.response_format),
-                      context_policy=gen.context_policy(body.context_policy, "shift"),  # type: ignore[arg-type]
-                      n_keep=n_keep, truncate=fmt.truncator(messages, lease.engine, **extra),
-                      **gen.draft_options(body.model_extra or {}))
+    return state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit),
+                                                                 tools=body.tools)
 
 
-def _completion_request(state: Any, body: CompletionRequest, lease: gen.Lease) -> GenRequest:
-    _check_n(body)
+def _completion_request(state: Any, body: CompletionRequest, lease: Lease) -> GenRequest:
     prompt = _prompt_text(body.prompt)
+    build, options = state.composer.builder(lease.name, lease.engine), _wire_options(body, body.max_tokens)
     if body.suffix is not None:
         if not isinstance(prompt, str):
             raise InvalidInput("suffix needs a text prompt")
-        from localllm.runtime.templates import fim_prompt
-
-        fmt = state.composer.chat_format(lease.name, lease.engine)
-        prompt = fim_prompt(prompt, body.suffix, tokens=fmt.fim)
-    return GenRequest(prompt, gen.params_from(_sampling(body)), max_tokens=gen.max_tokens_from(body.max_tokens,
-                      lease.engine), stop=gen.stop_list(body.stop), json_schema=gen.json_format(body.response_format),
-                      context_policy=gen.context_policy(body.context_policy, "error"),  # type: ignore[arg-type]
-                      **gen.draft_options(body.model_extra or {}))
+        return build.infill(prompt, body.suffix, options)
+    return build.prompt(prompt, options)
 
 
 def _usage(u: Any) -> dict[str, Any]:
@@ -163,8 +150,8 @@ def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(state: Any, lease: gen.Lease, stream: Any, *, chat: bool, base: dict[str, Any],
-                  include_usage: bool, echo: str = "", tools: bool = False) -> AsyncIterator[bytes]:
+async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_usage: bool, echo: str = "",
+                  tools: bool = False) -> AsyncIterator[bytes]:
     """Chunks as SSE. An error after the stream started is sent as an `error` event, then [DONE]."""
     try:
         if chat:
@@ -173,16 +160,16 @@ async def _events(state: Any, lease: gen.Lease, stream: Any, *, chat: bool, base
         elif echo:
             yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
         usage, held_text = None, ""
-        async for chunk in achunks(stream):
+        async for chunk in g.chunks():
             if chunk.error is not None:
                 yield _sse({"error": {"message": chunk.error.args[0] if chunk.error.args else "generation failed",
                                       "type": "server_error", "param": None, "code": 500}})
                 break
-            done = gen.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+            done = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
             if tools:  # a tool call is only recognizable whole: hold the text until the end
                 held_text += chunk.text
                 if done:
-                    content, calls = gen.parse_tool_calls(held_text)
+                    content, calls = parse_tool_calls(held_text)
                     delta: dict[str, Any] = {"tool_calls": _tool_calls(calls, delta=True)} if calls else \
                         {"content": content}
                     yield _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
@@ -201,39 +188,33 @@ async def _events(state: Any, lease: gen.Lease, stream: Any, *, chat: bool, base
         yield _sse({"error": {"message": f"generation failed ({type(exc).__name__})", "type": "server_error",
                               "param": None, "code": 500}})
     finally:
-        lease.release()
+        g.close()
     yield b"data: [DONE]\n\n"
 
 
 async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     state = request.app.state
-    lease = await gen.acquire(state, body.model, options=_options(body), keep_alive=body.keep_alive)
-    try:
-        # template rendering and tokenizing the system prefix run off the event loop
-        build = _chat_request if chat else _completion_request
-        req = await run_in_threadpool(build, state, body, lease)  # type: ignore[arg-type]
-    except BaseException:
-        lease.release()
-        raise
-    stream = await gen.submit(state, lease, req)
+    _check_n(body)
+    if chat and not body.messages:  # type: ignore[attr-defined]
+        raise InvalidInput("messages must not be empty")
+    build = _chat_request if chat else _completion_request
+    g = await Generation.start(state, body.model, lambda lease: build(state, body, lease),  # type: ignore[arg-type]
+                               options=_options(body), keep_alive=body.keep_alive)
     prefix = "chatcmpl-" if chat else "cmpl-"
     base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.model}
     echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
-        events = gen.releasing(_events(state, lease, stream, chat=chat, base=base, include_usage=include, echo=echo,
-                                       tools=bool(getattr(body, "tools", None))), lease)
+        events = _events(g, chat=chat, base=base, include_usage=include, echo=echo,
+                         tools=bool(getattr(body, "tools", None)))
         return StreamingResponse(events, media_type=SSE, headers={"Cache-Control": "no-cache"})
-    async with gen.held(lease):
-        res = await gen.collect(stream)
-    if body.keep_alive is not None:
-        state.pool.touch(lease.name, body.keep_alive)
-    reason = gen.finish_reason(res.finish_reason)
+    res = await g.collect()
+    reason = finish_reason(res.finish_reason)
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": res.text}
         if getattr(body, "tools", None):
-            content, calls = gen.parse_tool_calls(res.text)
+            content, calls = parse_tool_calls(res.text)
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
                 reason = "tool_calls"
@@ -271,7 +252,7 @@ async def model(name: str, request: Request) -> dict[str, Any]:
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = request.app.state
     texts = body.input if isinstance(body.input, list) else [body.input]
-    vectors, n_tokens = await gen.embed_texts(state, body.model, texts)
+    vectors, n_tokens = await embed_texts(state, body.model, texts)
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": body.model,
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

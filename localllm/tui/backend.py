@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
+from localllm.compose.formats import ChatFormat
+from localllm.compose.requests import Options, RequestBuilder
 from localllm.runtime.types import CONTEXT_POLICIES, Chunk, GenerationParams, Request
 
 
@@ -95,30 +97,35 @@ def catalog_rows(catalog: Any, installed: set[str]) -> list[CatalogRow]:
     return rows
 
 
+def chat_options(settings: ChatSettings) -> Options:
+    """A conversation's settings as request options (the same values the HTTP backend sends)."""
+    return Options(sampling={"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p},
+                   max_tokens=settings.max_tokens, context_policy=settings.context_policy)
+
+
 @dataclass
 class EngineBackend:
-    """ChatBackend over the runtime.
+    """ChatBackend over the runtime, in this process.
 
     engine_for(model, settings) returns a loaded Engine (the CLI passes ModelPool.get with num_ctx);
-    format_for(model, engine) returns (template source, extra stop strings) — the GGUF's own template
-    or the catalog's built-in fallback.
+    builder_for(model, engine) returns its compose.requests.RequestBuilder (the one every door uses).
     """
 
     engine_for: Callable[[str, ChatSettings], Any]
-    format_for: Callable[[str, Any], tuple[str, list[str]]]
+    builder_for: Callable[[str, Any], RequestBuilder]
     store: Any = None
     catalog_: Any = None
     puller: Callable[[str, PullProgress], None] | None = None
     _ctx: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def single(cls, engine: Any, name: str, template: str = "plain") -> EngineBackend:
-        """One already-loaded engine under one name, with a built-in template (tests, `chat file.gguf`)."""
-        from localllm.runtime import templates
+    def single(cls, engine: Any, name: str, fmt: ChatFormat | None = None) -> EngineBackend:
+        """One already-loaded engine under one name (tests, `chat file.gguf`); `fmt` defaults to the
+        plain built-in template."""
+        from localllm.compose.formats import builtin_format
 
-        source = templates.builtin_template(template)
-        stops = list(templates.BUILTIN_STOPS.get(template, ()))
-        backend = cls(engine_for=lambda _m, _s: engine, format_for=lambda _m, _e: (source, stops))
+        builder = RequestBuilder(fmt or builtin_format("plain", getattr(engine, "model", None)), engine)
+        backend = cls(engine_for=lambda _m, _s: engine, builder_for=lambda _m, _e: builder)
         backend._ctx[name] = engine.n_ctx
         backend._single = name  # type: ignore[attr-defined]
         return backend
@@ -145,28 +152,15 @@ class EngineBackend:
             raise RuntimeError("pulling is not available here")
         self.puller(name, progress)
 
-    def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream:
-        from localllm.runtime.templates import render_chat, render_chat_parts, truncate_history
-
+    def request(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> tuple[Any, Request]:
+        """(engine, Request) for a conversation: the one request builder, as every other door uses it."""
         engine = self.engine_for(model, settings)
         self._ctx[model] = engine.n_ctx
-        template, stops = self.format_for(model, engine)
-        msgs = build_messages(messages, settings)
-        parts = render_chat_parts(template, msgs, add_generation_prompt=True)
-        # n_keep: the system prompt survives a context shift
-        n_keep = len(engine.tokenize(parts.system_prefix)) if parts.system_prefix else 0
+        req = self.builder_for(model, engine).chat(build_messages(messages, settings), chat_options(settings),
+                                                   policy=settings.context_policy)
+        return engine, req
 
-        def truncate(budget: int) -> str | None:
-            def fits(kept: list[dict[str, Any]]) -> bool:
-                return len(engine.tokenize(render_chat(template, kept))) <= budget
-
-            kept, dropped = truncate_history(msgs, fits)
-            return render_chat(template, kept) if dropped else None
-
-        req = Request(prompt=parts.text,
-                      params=GenerationParams(temperature=settings.temperature, top_k=settings.top_k,
-                                              top_p=settings.top_p),
-                      max_tokens=settings.max_tokens, stop=list(stops),
-                      context_policy=settings.context_policy,  # type: ignore[arg-type]
-                      n_keep=n_keep, truncate=truncate)
+    def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream:
+        engine, req = self.request(model, messages, settings)
         return engine.submit(req)
+

@@ -1,0 +1,101 @@
+"""How to prompt one model: its chat template, the template's extra stop strings, its FIM tokens.
+
+The template is the GGUF's own (`tokenizer.chat_template`), else the catalog's built-in fallback,
+else "plain" (a GGUF without a template and no catalog entry is most likely a base model). FIM token
+strings are the GGUF's own token ids rendered as text, else the catalog's strings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import InvalidInput
+from localllm.runtime import templates
+
+FALLBACK_TEMPLATE = "plain"
+# GGUF metadata key stem -> the role names templates.fim_prompt expects
+_FIM_ROLES = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle", "fim_rep": "repo", "fim_sep": "sep"}
+
+
+@dataclass
+class ChatFormat:
+    """How to prompt one model. `template` None: the prompt goes to the model as it is (`run --raw`)."""
+
+    template: str | None
+    template_name: str  # "gguf", a built-in name, or "none"
+    stops: list[str] = field(default_factory=list)
+    fim: dict[str, str] = field(default_factory=dict)
+    bos_token: str = ""  # the model's BOS/EOS as text, for templates that write them ({{ bos_token }})
+    eos_token: str = ""
+
+    def render(self, messages: list[dict[str, Any]], **extra: Any) -> templates.ChatParts:
+        """The prompt text and its system prefix (what a context shift keeps)."""
+        if self.template is None:
+            return templates.ChatParts("\n\n".join(str(m.get("content") or "") for m in messages), "")
+        return templates.render_chat_parts(self.template, messages, add_generation_prompt=True,
+                                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+
+    def render_text(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        return self.render(messages, **extra).text
+
+
+def raw_format() -> ChatFormat:
+    """No template at all: the prompt is sent as typed (`localllm run --raw`)."""
+    return ChatFormat(None, "none")
+
+
+def chat_format(info: Any, entry: dict[str, Any] | None, model: Any) -> ChatFormat:
+    """The ChatFormat of a model from its GGUF facts (models.gguf_meta.ModelInfo), its catalog entry
+    and the loaded runtime Model (to render special token ids as text)."""
+    entry = entry or {}
+    if info.chat_template:
+        fmt = ChatFormat(info.chat_template, "gguf", bos_token=_piece(model, getattr(model, "bos", -1)),
+                         eos_token=_piece(model, getattr(model, "eos", -1)))
+    else:
+        fmt = builtin_format(str(entry.get("template") or FALLBACK_TEMPLATE), model)
+    fmt.fim = fim_tokens(info, entry, model)
+    return fmt
+
+
+def builtin_format(name: str, model: Any) -> ChatFormat:
+    """A built-in template by name (the catalog's fallbacks), "plain" when the name is unknown."""
+    try:
+        source = templates.builtin_template(name)
+    except InvalidInput:
+        name, source = FALLBACK_TEMPLATE, templates.builtin_template(FALLBACK_TEMPLATE)
+    return ChatFormat(source, name, stops=list(templates.BUILTIN_STOPS.get(name, ())),
+                      bos_token=_piece(model, getattr(model, "bos", -1)),
+                      eos_token=_piece(model, getattr(model, "eos", -1)))
+
+
+def file_format(path: Path, template_name: str | None, model: Any) -> ChatFormat:
+    """chat_format for a .gguf file outside the store, with the catalog template it was named by, if any."""
+    from localllm.models.gguf_meta import model_info
+
+    return chat_format(model_info(path), {"template": template_name} if template_name else {}, model)
+
+
+def fim_tokens(info: Any, entry: dict[str, Any], model: Any) -> dict[str, str]:
+    """FIM token strings by role: the GGUF's own token ids rendered as text, else the catalog's strings."""
+    out: dict[str, str] = {}
+    for key, tok in (info.fim_tokens or {}).items():
+        role = _FIM_ROLES.get(key)
+        text = _piece(model, tok) if role is not None and tok is not None else ""
+        if text:
+            out[role] = text  # type: ignore[index]
+    if not all(out.get(k) for k in ("prefix", "suffix", "middle")):
+        cat = entry.get("fim") or {}
+        out = {k: str(v) for k, v in cat.items() if v} if cat else out
+    return out
+
+
+def _piece(model: Any, tok: int) -> str:
+    """A token id as text with special tokens spelled out; "" for none or an id outside the vocabulary."""
+    if model is None or tok is None or tok < 0:
+        return ""
+    with contextlib.suppress(Exception):  # an id outside the vocabulary: treat as missing
+        return str(model.detokenize([tok], special=True))
+    return ""

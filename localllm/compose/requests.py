@@ -1,0 +1,219 @@
+"""The one request builder: (a loaded model, messages or a prompt, the door's options) → runtime Request.
+
+Every door — `localllm run`, the chat UI in-process, every HTTP dialect (and the chat UI over HTTP,
+through them) — calls this; none renders a template or tokenizes on its own. It decides, once:
+- the prompt: the chat template rendered with the model's BOS/EOS text, a raw text, or a
+  fill-in-the-middle prompt from the model's FIM tokens; tokenized here with BOS exactly as the GGUF
+  asks (once: Model.tokenize drops a BOS the template already wrote);
+- n_keep: the tokens of the system prefix, as they appear in the whole prompt (a context shift keeps
+  them), unless the client sets it;
+- the context policy (the door's default unless the client names one) and the truncate_history hook
+  that re-renders the chat without its oldest turns;
+- the max_tokens policy: no limit (None, -1, -2) means "until the model stops", capped at one
+  context of tokens so it always ends; a limit is capped at MAX_TOKENS_PER_CTX contexts;
+- sampling, stop strings (the client's + the template's), JSON schema / grammar, drafting options,
+  each checked with an error that names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from localllm.compose.formats import ChatFormat
+from localllm.errors import InvalidInput
+from localllm.runtime.prefix_cache import common_prefix
+from localllm.runtime.templates import fim_prompt, truncate_history
+from localllm.runtime.types import CONTEXT_POLICIES, GenerationParams, Request
+
+# sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)
+PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+              "frequency_penalty", "seed")
+MAX_TOKENS_PER_CTX = 4  # a request generates at most this many context-fulls of tokens
+# speculative decoding per request: Ollama-style option name, llama-server's flat `speculative.*` keys
+DRAFT_KEYS = {"draft_num_predict": "draft_max", "speculative.n_max": "draft_max",
+              "speculative.n_min": "draft_min", "speculative.p_min": "draft_p_min"}
+
+
+@dataclass
+class Options:
+    """What a client asked for, as wire values; the builder checks each (the names are for errors)."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)  # PARAM_KEYS values; None keeps the default
+    max_tokens: Any = None  # None / -1 / -2: until the model stops
+    max_tokens_name: str = "max_tokens"
+    stop: Any = None  # a string or a list of strings
+    format: Any = None  # Ollama `format` / OpenAI `response_format` → a JSON schema
+    json_schema: dict[str, Any] | None = None  # llama.cpp's `json_schema`: a schema as it is
+    grammar: str | None = None  # GBNF, start rule "root"
+    context_policy: Any = None  # None: the door's default
+    n_keep: Any = None  # None: the system prefix's tokens
+    n_keep_name: str = "n_keep"
+    ignore_eos: bool = False
+    draft: dict[str, Any] = field(default_factory=dict)  # DRAFT_KEYS values
+
+
+class RequestBuilder:
+    """Requests for one loaded model. `model` needs tokenize(text, add_special=, parse_special=) and n_ctx
+    (an Engine, or anything that answers for one)."""
+
+    def __init__(self, fmt: ChatFormat, model: Any) -> None:
+        self.fmt, self.model = fmt, model
+
+    def chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None = None,
+             policy: str = "shift") -> Request:
+        """A conversation through the chat template; a shift keeps the system prompt, and the
+        truncate_history policy drops the oldest turns."""
+        return self._chat(messages, options, tools=tools, policy=policy, truncatable=True)
+
+    def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
+              truncatable: bool) -> Request:
+        if not messages:
+            raise InvalidInput("messages must not be empty")
+        extra = {"tools": tools} if tools else {}
+        parts = self.fmt.render(messages, **extra)
+        prompt = self._tokens(parts.text)
+        n_keep = common_prefix(self._tokens(parts.system_prefix), prompt) if parts.system_prefix else 0
+        return self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy,
+                             truncate=self._truncator(messages, extra) if truncatable else None)
+
+    def prompt(self, text: str | list[int], options: Options, *, system: str | None = None, template: bool = False,
+               policy: str = "error") -> Request:
+        """A prompt: sent as it is (token ids, or text with BOS as the GGUF asks), or with `template` as the
+        one user message of a chat (Ollama /api/generate without `raw`, `localllm run` without --raw)."""
+        if isinstance(text, str) and not text:
+            raise InvalidInput("prompt is empty", "send the text to complete")
+        if template and isinstance(text, str) and self.fmt.template is not None:
+            # one turn: nothing for truncate_history to drop, so it falls back to a shift as before
+            head = [{"role": "system", "content": system}] if system else []
+            return self._chat([*head, {"role": "user", "content": text}], options, tools=None, policy=policy,
+                              truncatable=False)
+        if isinstance(text, str):
+            text = self._tokens(text)
+        return self._request(list(text), options, stops=[], n_keep=0, policy=policy)
+
+    def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),
+               middle_prefix: str = "", policy: str = "error") -> Request:
+        """Fill-in-the-middle with the model's FIM tokens (llama.cpp /infill layout, repo context in `extra`)."""
+        text = fim_prompt(prefix, suffix, tokens=self.fmt.fim, extra=extra, middle_prefix=middle_prefix)
+        return self._request(self._tokens(text), options, stops=[], n_keep=0, policy=policy)
+
+    # ---- the parts -------------------------------------------------------------------------------
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.model.tokenize(text, add_special=True, parse_special=True))
+
+    def _truncator(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> Callable[[int], str | None]:
+        """The engine's truncate_history hook: re-render without the oldest turns until the prompt fits."""
+        def shorter(limit: int) -> str | None:
+            def fits(msgs: list[dict[str, Any]]) -> bool:
+                return len(self._tokens(self.fmt.render_text(msgs, **extra))) <= limit
+
+            kept, dropped = truncate_history(messages, fits)
+            return self.fmt.render_text(kept, **extra) if dropped else None
+
+        return shorter
+
+    def _request(self, prompt: list[int], o: Options, *, stops: list[str], n_keep: int, policy: str,
+                 truncate: Callable[[int], str | None] | None = None) -> Request:
+        if o.n_keep is not None:
+            if isinstance(o.n_keep, bool) or not isinstance(o.n_keep, int) or o.n_keep < -1:
+                raise InvalidInput(f"{o.n_keep_name} must be an integer >= -1, got {o.n_keep!r}")
+            n_keep = o.n_keep
+        return Request(prompt, params_from(o.sampling),
+                       max_tokens=max_tokens_for(o.max_tokens, int(self.model.n_ctx), o.max_tokens_name),
+                       stop=stop_list(o.stop) + list(stops), grammar=o.grammar,
+                       json_schema=o.json_schema if o.json_schema is not None else json_format(o.format),
+                       context_policy=context_policy(o.context_policy, policy),  # type: ignore[arg-type]
+                       n_keep=n_keep, ignore_eos=bool(o.ignore_eos), truncate=truncate, **draft_options(o.draft))
+
+
+# ---- wire values → request fields (each checked; errors name the field) ---------------------------
+def params_from(values: dict[str, Any]) -> GenerationParams:
+    """GenerationParams from wire values; None keeps the default; out of range → InvalidInput."""
+    p = GenerationParams()
+    for key in PARAM_KEYS:
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            raise InvalidInput(f"{key} must be a number, got {value!r}")
+        if key in ("top_k", "repeat_last_n", "seed") and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if key == "seed" and isinstance(value, int) and value < 0:
+            value = None  # llama.cpp and Ollama use -1 for "random"
+        setattr(p, key, value)
+    problems = p.problems()
+    if problems:
+        raise InvalidInput("; ".join(problems))
+    return p
+
+
+def max_tokens_for(value: Any, n_ctx: int, name: str = "max_tokens") -> int:
+    """None / -1 / -2 mean "until the model stops": capped at the context size so it always ends."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (-1, -2)):
+        return n_ctx
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"{name} must be a positive integer (or -1 for no limit), got {value!r}")
+    # clients send large limits routinely; under the shift policy a huge one would run for hours
+    return min(value, MAX_TOKENS_PER_CTX * n_ctx)
+
+
+def stop_list(stop: Any) -> list[str]:
+    """`stop` as a string or a list of strings (empty strings ignored)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise InvalidInput("stop must be a string or a list of strings")
+
+
+def draft_options(values: dict[str, Any]) -> dict[str, Any]:
+    """Request kwargs (draft_max, draft_min, draft_p_min) from a body or Ollama `options`."""
+    out: dict[str, Any] = {}
+    for key, kwarg in DRAFT_KEYS.items():
+        v = values.get(key)
+        if v is None:
+            continue
+        if kwarg == "draft_p_min":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise InvalidInput(f"{key} must be a number from 0 to 1, got {v!r}")
+            out[kwarg] = float(v)
+        elif isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 64:
+            raise InvalidInput(f"{key} must be an integer from 0 to 64, got {v!r}")
+        else:
+            out[kwarg] = v
+    return out
+
+
+def context_policy(value: Any, default: str) -> str:
+    if value is None:
+        return default
+    if value not in CONTEXT_POLICIES:
+        raise InvalidInput(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {value!r}")
+    return str(value)
+
+
+def json_format(fmt: Any) -> dict[str, Any] | None:
+    """Ollama `format` / OpenAI response_format → a JSON schema for the engine (None = free text)."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "object"}
+    if isinstance(fmt, dict):
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema = fmt.get("schema")
+            return schema if isinstance(schema, dict) else {"type": "object"}
+        if kind == "json_schema":
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidInput("response_format.json_schema.schema must be a JSON schema object")
+            return schema
+        return fmt  # Ollama: the format is the schema itself
+    raise InvalidInput(f"format must be \"json\" or a JSON schema object, got {fmt!r}")

@@ -1,0 +1,176 @@
+"""The one generation lifecycle of the server: lease a model → build the request → submit → stream or
+collect → release, with the lease released exactly once on every path (finished, failed, client gone,
+response never started).
+
+A dialect module calls `Generation.start(...)` and then either `await gen.collect()` or, inside its
+response generator, `async with gen: async for chunk in gen.chunks(): ...`. It keeps only its wire
+models and its rendering. `held(...)` leases a model for the non-generating requests (tokenize,
+detokenize). Transport-free: nothing here knows SSE, NDJSON or status codes (errors carry them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from localllm.errors import InvalidInput, ModelLoadError, Overloaded
+from localllm.runtime.stream import achunks
+from localllm.runtime.types import Chunk, Request, Result
+
+DEFAULT_MAX_WAITING = 64  # per engine; beyond it a request gets 503 + Retry-After instead of waiting forever
+RETRY_AFTER_S = 2
+
+
+@dataclass
+class Lease:
+    """An engine held for one request (not evicted while held); release() is idempotent."""
+
+    name: str
+    engine: Any
+    load_ms: float
+    _cm: Any = None
+    _released: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        with self._lock:  # the response generator and a GC finalizer may both get here
+            if self._released:
+                return
+            self._released = True
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+
+
+async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = None,
+                  keep_alive: Any = None) -> Lease:
+    """Load (or find) the model off the event loop and hold it; raises 4xx errors for bad names."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("missing field 'model'", "send \"model\": \"name:tag\"")
+    pool = state.pool
+    t0 = time.perf_counter()
+    cm = pool.use(name, options=options or {}, keep_alive=keep_alive)
+    loading = asyncio.ensure_future(run_in_threadpool(cm.__enter__))
+    try:
+        engine = await asyncio.shield(loading)
+    except asyncio.CancelledError:  # the client left while the model loaded: let go of it once loaded
+        loading.add_done_callback(lambda t: None if t.cancelled() or t.exception() else cm.__exit__(None, None, None))
+        raise
+    except ModelLoadError as exc:
+        if options:  # the client's num_ctx / num_batch / ... did not fit: its request is what is wrong
+            asked = ", ".join(f"{k}={v}" for k, v in options.items())
+            raise InvalidInput(f"could not load {name} with {asked}", "ask for a smaller context or batch") from None
+        if "/" in exc.message or "\\" in exc.message:  # never show a client where the files live
+            raise ModelLoadError(f"could not load {name}", "see the server log") from None
+        raise
+    finder = getattr(pool, "name_of", None)
+    key = (finder(engine) if finder else None) or name
+    return Lease(key, engine, (time.perf_counter() - t0) * 1000, cm)
+
+
+@contextlib.asynccontextmanager
+async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
+    """A model leased for a request that does not generate (load, tokenize, detokenize)."""
+    lease = await acquire(state, name, **kwargs)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def max_waiting(settings: Any) -> int:
+    value = getattr(settings, "extra", {}).get("max_waiting", DEFAULT_MAX_WAITING)
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_WAITING
+
+
+def check_capacity(engine: Any, limit: int) -> None:
+    """Refuse early when the engine's queue is already long: the client retries instead of hanging."""
+    try:
+        waiting = int(engine.stats().get("waiting", 0))
+    except Exception:  # noqa: BLE001 - stats are advisory
+        return
+    if waiting >= limit:
+        raise Overloaded(f"the server is busy ({waiting} requests waiting)", f"retry in {RETRY_AFTER_S} s")
+
+
+class Generation:
+    """One request's life: its lease, its Request, its stream. Use once: collect() or chunks()."""
+
+    def __init__(self, state: Any, lease: Lease, request: Request, stream: Any, keep_alive: Any) -> None:
+        self.state, self.lease, self.request, self.stream = state, lease, request, stream
+        self.keep_alive = keep_alive
+        self.finished = False  # the stream reached its end (nothing left to cancel)
+        self.completed = False  # ... and its reader saw it all: keep_alive applies
+        # a response that never starts (client gone before the first byte) still lets go of the model
+        weakref.finalize(self, lease.release)
+
+    @property
+    def name(self) -> str:
+        return self.lease.name
+
+    @property
+    def engine(self) -> Any:
+        return self.lease.engine
+
+    @property
+    def load_ms(self) -> float:
+        return self.lease.load_ms
+
+    @classmethod
+    async def start(cls, state: Any, name: Any, build: Callable[[Lease], Request], *,
+                    options: dict[str, Any] | None = None, keep_alive: Any = None) -> Generation:
+        """Lease the model, build the request off the event loop (rendering, tokenizing) and submit it.
+        Any error releases the lease and propagates (the dialect answers it with a status code)."""
+        lease = await acquire(state, name, options=options, keep_alive=keep_alive)
+        try:
+            req = await run_in_threadpool(build, lease)
+            check_capacity(lease.engine, max_waiting(state.settings))
+            stream = await run_in_threadpool(lease.engine.submit, req)
+        except BaseException:
+            lease.release()
+            raise
+        return cls(state, lease, req, stream, keep_alive)
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop generating (if still running) and release the model; then apply the request's keep_alive
+        (after the release: keep_alive 0 unloads at once only when no request holds the model)."""
+        if not self.finished:
+            self.stream.cancel()
+        self.lease.release()
+        if self.completed and self.keep_alive is not None and self.state.pool is not None:
+            self.completed = False  # once
+            self.state.pool.touch(self.lease.name, self.keep_alive)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The stream's chunks, in order (an error arrives as a chunk with `error` set)."""
+        async for chunk in achunks(self.stream):
+            yield chunk
+            if chunk.finish_reason:
+                self.finished = True
+        self.finished = self.completed = True
+
+    async def collect(self) -> Result:
+        """The whole generation; raises the request's error."""
+        res = Result()
+        async with self:
+            async for chunk in self.chunks():
+                res.absorb(chunk)
+        return res
+
+
+def finish_reason(reason: str | None) -> str:
+    """Engine reasons → OpenAI/Ollama words ("cancelled" never reaches a client that is still there)."""
+    return "length" if reason == "length" else "stop"
