@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from localllm.errors import InvalidInput, ModelLoadError
+from localllm.runtime.llama import clean_text
 
 
 class Embedder:
@@ -34,7 +35,8 @@ class Embedder:
             raise InvalidInput("input is empty")
         with self._lock:
             try:
-                vectors, n_tokens = self._llm.embed(texts, normalize=True, truncate=False, return_count=True)
+                vectors, n_tokens = self._llm.embed([clean_text(t) for t in texts], normalize=True, truncate=False,
+                                                    return_count=True)
             except ValueError as exc:  # an input longer than the context
                 raise InvalidInput(f"an input is longer than the {self.n_ctx}-token embedding context",
                                    "split the text into smaller pieces") from exc

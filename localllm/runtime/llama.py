@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,24 @@ def init_backend() -> None:
 def round_ctx(n_ctx: int) -> int:
     """llama.cpp pads n_ctx to a multiple of 256; ask for that size so every buffer agrees."""
     return max(256, (int(n_ctx) + 255) // 256 * 256)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8(text: str) -> bytes:
+    """Text as UTF-8 for llama.cpp. A lone UTF-16 surrogate (JSON "\\ud800" decodes to one; a paired one
+    decodes to its character) cannot be encoded: it becomes U+FFFD, as Go's JSON decoder (Ollama) does.
+    One rule for every door: prompts, templates, grammars and embedding inputs all pass through here."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
+
+
+def clean_text(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD (see utf8), for APIs that take str."""
+    return utf8(text).decode("utf-8")
 
 
 def json_schema_to_gbnf(schema: str) -> str:
@@ -125,7 +144,7 @@ class Model:
         only log a warning. A model whose add_bos is false gets none added.
         parse_special: special-token text ("<bos>", "<start_of_turn>") becomes the token, never text.
         """
-        data = text.encode("utf-8")
+        data = utf8(text)
         n_max = len(data) + 8
         buf = (lc.llama_token * n_max)()
         n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
@@ -271,7 +290,7 @@ class SamplerChain:
         self._add(lc.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present), "penalties")
 
     def add_grammar(self, model: Model, gbnf: str, root: str = "root") -> None:
-        smpl = lc.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), root.encode())
+        smpl = lc.llama_sampler_init_grammar(model.vocab, utf8(gbnf), root.encode())
         if not smpl:
             raise InvalidInput("invalid grammar: llama.cpp could not parse it",
                                "check the GBNF syntax; the start rule must be named 'root'")

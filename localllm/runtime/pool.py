@@ -7,6 +7,7 @@ The pool knows files and engine options, not names on disk: a `resolve(name, opt
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,12 @@ class Loaded:
         return self.last_used + self.keep_alive
 
 
+def _seconds(secs: float, given: Any) -> float:
+    if not math.isfinite(secs):
+        raise InvalidInput(f"keep_alive must be a finite duration, got {given!r}", "use e.g. '5m', 0 or -1 (forever)")
+    return FOREVER if secs < 0 else secs
+
+
 def parse_keep_alive(value: Any, default: float = 300.0) -> float:
     """Ollama semantics: "5m", "1h30m", seconds as a number, 0 = unload now, negative = forever."""
     if value is None or value == "":
@@ -52,14 +59,17 @@ def parse_keep_alive(value: Any, default: float = 300.0) -> float:
     if isinstance(value, bool):
         raise InvalidInput(f"keep_alive must be a duration like '5m' or seconds, got {value!r}")
     if isinstance(value, (int, float)):
-        return FOREVER if value < 0 else float(value)
+        return _seconds(float(value), value)
     text = str(value).strip().lower()
     try:
-        secs = float(text)
-        return FOREVER if secs < 0 else secs
+        return _seconds(float(text), value)
     except ValueError:
         pass
-    if text.startswith("-"):
+    if text.startswith("-"):  # a negative duration ("-1m") is forever; "-5x" is not a duration at all
+        try:
+            parse_keep_alive(text[1:])
+        except InvalidInput:
+            raise InvalidInput(f"keep_alive {value!r} is not a duration", "use e.g. '5m', '30s', '1h', 0 or -1") from None
         return FOREVER
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
     total, num = 0.0, ""

@@ -39,23 +39,81 @@ def validate(req: Request) -> None:
         raise InvalidInput("; ".join(problems))
 
 
+# llama.cpp's GBNF parser recurses once per nested group and its grammar stacks once per rule reference:
+# 20 000 nested parentheses or 100 000 chained rules overflow a thread's stack (SIGSEGV, the whole
+# server gone). Far below that, and far above any real grammar (JSON-schema grammars have tens of rules):
+MAX_GRAMMAR_BYTES = 128 * 1024
+MAX_GRAMMAR_DEPTH = 128  # nested ( ) groups
+MAX_GRAMMAR_RULES = 4096
+MAX_SCHEMA_DEPTH = 64  # nested objects/arrays in a JSON schema
+
+
 def grammar_for(req: Request) -> str | None:
-    """The GBNF text a request asks for (json_schema converted), or None."""
+    """The GBNF text a request asks for (json_schema converted), or None; checked against the limits
+    above before it reaches llama.cpp."""
     if req.json_schema is not None:
         schema: Any = req.json_schema
-        if not isinstance(schema, str):
-            schema = json.dumps(schema)
-        else:
+        if isinstance(schema, str):
             try:
-                json.loads(schema)
-            except ValueError as exc:
+                schema = json.loads(schema)
+            except (ValueError, RecursionError) as exc:
                 raise InvalidInput(f"json_schema is not valid JSON: {exc}") from exc
-        return json_schema_to_gbnf(schema)
+        depth = json_depth(schema, MAX_SCHEMA_DEPTH)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidInput(f"json_schema is nested deeper than {MAX_SCHEMA_DEPTH} levels",
+                               "flatten the schema (use $defs and $ref for repeated parts)")
+        return check_grammar(json_schema_to_gbnf(json.dumps(schema)), "the grammar made from json_schema")
     if req.grammar is not None:
         if not req.grammar.strip():
             raise InvalidInput("grammar is empty")
-        return req.grammar
+        return check_grammar(req.grammar, "grammar")
     return None
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, counted without recursion; stops counting past `limit`."""
+    depth, level = 0, [(value, 1)]
+    while level:
+        item, d = level.pop()
+        depth = max(depth, d)
+        if depth > limit:
+            return depth
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        level.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return depth
+
+
+def check_grammar(gbnf: str, what: str) -> str:
+    """Refuse a GBNF text that is too large or too deep for llama.cpp's parser (see the limits above)."""
+    size = len(gbnf.encode("utf-8", "replace"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise InvalidInput(f"{what} is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    depth, deepest, rules = 0, 0, 0
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c == "#":  # a comment, to the end of the line
+            while i < n and gbnf[i] != "\n":
+                i += 1
+            continue
+        if c in "\"[":  # a literal or a character class: brackets inside do not nest
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != close:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        elif c == ":" and gbnf.startswith("::=", i):
+            rules += 1
+        i += 1
+    if deepest > MAX_GRAMMAR_DEPTH:
+        raise InvalidInput(f"{what} nests groups {deepest} deep; at most {MAX_GRAMMAR_DEPTH} are accepted")
+    if rules > MAX_GRAMMAR_RULES:
+        raise InvalidInput(f"{what} has {rules} rules; at most {MAX_GRAMMAR_RULES} are accepted")
+    return gbnf
 
 
 def lc_free_penalties(p: GenerationParams) -> bool:

@@ -7,6 +7,7 @@ chunks without touching llama.cpp.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,8 +34,14 @@ class GenerationParams:
     seed: int | None = None
 
     def problems(self) -> list[str]:
-        """What is out of range, in words (empty when valid)."""
+        """What is out of range, in words (empty when valid). NaN and infinity are never valid."""
         out = []
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, float) and not math.isfinite(v):
+                out.append(f"{name} must be a finite number, got {v!r}")
+        if out:
+            return out
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             out.append(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -24,7 +24,7 @@ from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, finish_reason, held
-from localllm.server.wire import Body, parse_tool_calls
+from localllm.server.wire import Body, notice_dict, parse_tool_calls
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -99,7 +99,7 @@ def _extras(res: Result) -> dict[str, Any]:
     if res.timings.draft_n:  # speculative decoding: llama-server's names
         out["draft_n"], out["draft_n_accepted"] = res.timings.draft_n, res.timings.draft_accepted
     if res.notices:
-        notices = [{"kind": n.kind, "n_dropped": n.n_dropped, "message": n.message} for n in res.notices]
+        notices = [notice_dict(n) for n in res.notices]
         out["notice"], out["notices"] = notices[-1], notices
     return out
 

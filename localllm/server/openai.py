@@ -23,7 +23,7 @@ from localllm.errors import InvalidInput
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, finish_reason
-from localllm.server.wire import Body, parse_tool_calls
+from localllm.server.wire import Body, notice_dict, parse_tool_calls
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -146,6 +146,11 @@ def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[s
 
 
 # ---- rendering ---------------------------------------------------------------------------------------
+def _empty_choice(chat: bool) -> dict[str, Any]:
+    return ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": None} if chat else
+            {"index": 0, "text": "", "logprobs": None, "finish_reason": None})
+
+
 def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -159,8 +164,11 @@ async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_us
                                              "logprobs": None, "finish_reason": None}]})
         elif echo:
             yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
-        usage, held_text = None, ""
+        usage, held_text, notices = None, "", []
         async for chunk in g.chunks():
+            if chunk.notice is not None:  # what the engine did to the context, as it happens
+                notices.append(notice_dict(chunk.notice))
+                yield _sse({**base, "choices": [_empty_choice(chat)], "notice": notices[-1]})
             if chunk.error is not None:
                 yield _sse({"error": {"message": chunk.error.args[0] if chunk.error.args else "generation failed",
                                       "type": "server_error", "param": None, "code": 500}})
@@ -173,12 +181,13 @@ async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_us
                     delta: dict[str, Any] = {"tool_calls": _tool_calls(calls, delta=True)} if calls else \
                         {"content": content}
                     yield _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                     "finish_reason": "tool_calls" if calls else done}]})
+                                                     "finish_reason": "tool_calls" if calls else done}],
+                                **({"notices": notices} if notices else {})})
             elif chunk.text or done:
                 piece = {"content": chunk.text} if chunk.text else {}
                 choice = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": done} if chat else
                           {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": done})
-                yield _sse({**base, "choices": [choice]})
+                yield _sse({**base, "choices": [choice], **({"notices": notices} if done and notices else {})})
             if chunk.usage is not None:
                 usage = chunk.usage
         if include_usage and usage is not None:
@@ -219,9 +228,16 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
                 message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
                 reason = "tool_calls"
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage)})
+        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage),
+                             **_notices(res)})
     choice = {"index": 0, "text": echo + res.text, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage)})
+    return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage),
+                         **_notices(res)})
+
+
+def _notices(res: Any) -> dict[str, Any]:
+    """localllm's extension field: what was dropped or cut short, and why (absent when nothing was)."""
+    return {"notices": [notice_dict(n) for n in res.notices]} if res.notices else {}
 
 
 # ---- router ------------------------------------------------------------------------------------------

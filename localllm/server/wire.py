@@ -10,6 +10,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 
+def notice_dict(n: Any) -> dict[str, Any]:
+    """A runtime Notice on the wire (every dialect's extension field: nothing ends short silently)."""
+    return {"kind": n.kind, "n_dropped": n.n_dropped, "message": n.message}
+
+
 class Body(BaseModel):
     """Request bodies of every dialect: unknown fields are kept (clients send many we do not use,
     and llama-server's flat `speculative.*` keys are read from them)."""

@@ -1,0 +1,170 @@
+"""Requests that crashed, confused or silently shortchanged the server, each reproduced against the real
+server over the tiny model: a grammar deep enough to overflow llama.cpp's parser, lone UTF-16
+surrogates, NaN/Infinity as numbers, a keep_alive that is not a duration, and truncations without a
+word in the OpenAI dialect. After each barrage the server must still answer a normal request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from helpers import FIM, TINY, Server, start_server, wait_idle
+
+from localllm.errors import InvalidInput
+from localllm.runtime.pool import parse_keep_alive
+from localllm.runtime.sampling import MAX_GRAMMAR_DEPTH, check_grammar, json_depth
+from localllm.runtime.types import GenerationParams
+
+DEEP = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # SIGSEGV in llama.cpp's parser before the limit
+CHAINED = "root ::= r0\n" + "\n".join(f"r{i} ::= r{i + 1}" for i in range(100000)) + '\nr100000 ::= "a"'
+
+
+def post(srv: Server, path: str, body: Any, **kw: Any) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(srv.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+def still_serves(srv: Server) -> None:
+    r = post(srv, "/completion", {"model": TINY, "prompt": "hello", "n_predict": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 3
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with a 256-token context shared by 2 slots: easy to overflow."""
+    info, server, thread = start_server(tmp_path_factory.mktemp("small"), ctx=256, slots=2)
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
+# ---- 1. grammars ----------------------------------------------------------------------------------
+def test_grammar_limits_unit() -> None:
+    ok = "root ::= " + "(" * MAX_GRAMMAR_DEPTH + '"a"' + ")" * MAX_GRAMMAR_DEPTH
+    assert check_grammar(ok, "grammar") == ok
+    assert check_grammar('root ::= "((((" [(] # ((((((\n', "grammar")  # literals, classes, comments
+    with pytest.raises(InvalidInput, match="nests groups 20000 deep; at most 128"):
+        check_grammar(DEEP, "grammar")
+    with pytest.raises(InvalidInput, match="at most 131072"):
+        check_grammar(CHAINED, "grammar")
+    assert json_depth({"a": [{"b": {"c": 1}}]}, 64) == 4
+
+
+@pytest.mark.parametrize("path,extra", [("/completion", {"prompt": "x"}),
+                                        ("/infill", {"input_prefix": "a", "input_suffix": "b"})])
+def test_deep_grammar_is_a_400_not_a_crash(srv: Server, path: str, extra: dict[str, Any]) -> None:
+    for grammar in (DEEP, "root ::= r0\n" + "\n".join(f"r{i} ::= r{i + 1}" for i in range(5000)) + '\nr5000 ::= "a"'):
+        r = post(srv, path, {"model": TINY, "grammar": grammar, "n_predict": 2, **extra})
+        assert r.status_code == 400, r.text
+        assert "grammar" in r.json()["error"]["message"]
+    still_serves(srv)
+
+
+def test_deep_json_schema_is_a_400(srv: Server) -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "object", "properties": {"a": schema}}
+    r = post(srv, "/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_schema",
+                                                               "json_schema": {"schema": schema}}})
+    assert r.status_code == 400 and "nested deeper than 64" in r.json()["error"]["message"]
+    r = post(srv, "/completion", {"model": TINY, "prompt": "x", "json_schema": schema})
+    assert r.status_code == 400 and "json_schema" in r.json()["error"]["message"]
+    still_serves(srv)
+
+
+# ---- 2. lone surrogates ---------------------------------------------------------------------------
+SURROGATE_BODIES = [
+    ("/v1/completions", {"model": TINY, "prompt": "Hi\ud800", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "Hi\ud800"}], "max_tokens": 2}),
+    ("/api/generate", {"model": TINY, "prompt": "Hi\ud800", "stream": False, "options": {"num_predict": 2}}),
+    ("/api/chat", {"model": TINY, "messages": [{"role": "user", "content": "Hi\udfff"}], "stream": False,
+                   "options": {"num_predict": 2}}),
+    ("/completion", {"model": TINY, "prompt": "Hi\ud800", "n_predict": 2}),
+    ("/infill", {"model": TINY, "input_prefix": "a\ud800", "input_suffix": "b", "n_predict": 2}),
+    ("/tokenize", {"model": TINY, "content": "Hi\ud800"}),
+    ("/v1/embeddings", {"model": TINY, "input": "Hi\ud800"}),
+    ("/api/embed", {"model": TINY, "input": ["Hi\ud800"]}),
+]
+
+
+@pytest.mark.parametrize("path,body", SURROGATE_BODIES, ids=[p for p, _ in SURROGATE_BODIES])
+def test_lone_surrogates_become_replacement_characters(srv: Server, path: str, body: dict[str, Any]) -> None:
+    # json.dumps writes the lone surrogate as the escape \ud800, exactly what a client sends
+    r = post(srv, path, body)
+    assert r.status_code == 200, r.text
+    if path == "/tokenize":
+        same = post(srv, path, {"model": TINY, "content": "Hi\ufffd"}).json()
+        assert r.json() == same  # one rule: U+FFFD
+
+
+# ---- 4. NaN and Infinity --------------------------------------------------------------------------
+def test_params_refuse_nan_and_infinity() -> None:
+    for name in ("temperature", "repeat_penalty", "top_p", "min_p", "presence_penalty"):
+        for bad in (float("nan"), float("inf")):
+            p = GenerationParams(**{name: bad})
+            assert any("must be a finite number" in m for m in p.problems()), (name, bad)
+    for bad in ("nan", float("nan"), "inf", "-inf", "-5x", "5x"):
+        with pytest.raises(InvalidInput):
+            parse_keep_alive(bad)
+    assert parse_keep_alive("-1m") == parse_keep_alive(-1) == float("inf")  # negative durations: forever
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "repeat_penalty": Infinity}'),
+    ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "options": {"temperature": NaN}}'),
+    ("/api/chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": false, '
+                  '"options": {"repeat_penalty": -Infinity}}'),
+    ("/completion", '{"model": "tiny", "prompt": "hi", "temperature": Infinity}'),
+    ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "keep_alive": "-5x"}'),
+    ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "keep_alive": NaN}'),
+])
+def test_nan_infinity_and_garbage_durations_are_400(srv: Server, path: str, body: str) -> None:
+    r = post(srv, path, body)
+    assert r.status_code == 400, r.text
+    msg = json.dumps(r.json())
+    assert "finite" in msg or "not a duration" in msg or "must be" in msg
+
+
+# ---- 5. nothing ends short without saying why ------------------------------------------------------
+def test_openai_chat_says_what_was_dropped(small: Server) -> None:
+    long = " ".join(["hello world"] * 300)  # ~600 tokens on a 256-token context
+    body = {"model": TINY, "messages": [{"role": "user", "content": long}], "max_tokens": 4, "temperature": 0}
+    r = post(small, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    notices = r.json()["notices"]
+    assert notices and notices[0]["kind"] == "prompt_truncated" and notices[0]["n_dropped"] > 300
+    assert r.json()["usage"]["prompt_tokens"] < 256
+    events = [json.loads(line[6:]) for line in post(small, "/v1/chat/completions", {**body, "stream": True}).text
+              .splitlines() if line.startswith("data: {")]
+    assert any(e.get("notice", {}).get("kind") == "prompt_truncated" for e in events)
+    last = next(e for e in reversed(events) if e.get("choices") and e["choices"][0]["finish_reason"])
+    assert last["notices"][0]["n_dropped"] == notices[0]["n_dropped"]
+    # under the error policy: an error with the counts instead
+    r = post(small, "/v1/chat/completions", {**body, "context_policy": "error"})
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+
+
+def test_parallel_requests_that_fill_the_cache_say_so(small: Server) -> None:
+    """Two requests asking for more than the shared 256-cell cache holds: whoever is cut short gets
+    finish_reason "length" and a context_full notice, never a silent 200 with fewer tokens."""
+    body = {"model": TINY, "prompt": "hello", "max_tokens": 250, "temperature": 0, "context_policy": "error"}
+    short = 0
+    for _ in range(10):  # the tiny model is fast: the two must overlap in the engine to overflow
+        wait_idle(small.pool)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            outs = list(ex.map(lambda _: post(small, "/v1/completions", body).json(), range(2)))
+        for out in outs:
+            if out["usage"]["completion_tokens"] < 250:
+                short += 1
+                assert out["choices"][0]["finish_reason"] == "length"
+                assert out["notices"] and out["notices"][-1]["kind"] == "context_full"
+        if short:
+            break
+    assert short, "the two requests never overlapped: the cache did not overflow"
