@@ -8,11 +8,17 @@ the defaults below. `LOCALLLM_HOME` moves the data, config and cache folders und
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from localllm.errors import InvalidInput, LocalLLMError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,6 +79,9 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024
+    # /api/pull over HTTP imports a .gguf path on the server's disk only with this on (the CLI always can);
+    # otherwise HTTP clients upload files as blobs (POST /api/blobs/sha256:<hex>, then POST /api/create)
+    allow_local_pull: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
     # speculative decoding: a draft model name ("auto" = the catalog's pairing when it is installed),
     # and/or prompt lookup; draft_max = most tokens drafted per step
@@ -83,61 +92,243 @@ class Settings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _coerce(value: str, kind: Any) -> Any:
-    text = value.strip()
-    if kind in ("int", "int | None"):
-        return int(text)
-    if kind == "bool":
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(text)
-    if kind in ("tuple[str, ...]",):
-        return tuple(p.strip() for p in text.split(",") if p.strip())
-    return text
+# ---- what each setting allows -------------------------------------------------------------------
+# config.toml, LOCALLLM_* and the command line's flags (cli.Setting) all go through RULES, so a value
+# is refused the same way wherever it comes from, with a message that says what is allowed.
+
+MAX_CTX = 1 << 20  # tokens per context: compose.spec.MAX_CTX
+MAX_SLOTS = 256  # llama.cpp's most sequences per context (runtime/llama.py)
+MAX_THREADS = 1024  # as the server's options.num_thread
+MAX_DRAFT = 64  # runtime.speculative.SpecConfig.problems: draft_max in 0..64
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+
+
+class InvalidSetting(InvalidInput):
+    """A setting from config.toml, a LOCALLLM_* variable or a flag is of the wrong type or out of range.
+
+    The message names where the value came from and what is allowed; the command line shows it as a
+    usage error (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one setting allows: kind "int" (lo..hi), "str", "host", "bool", "strs" (a list of strings)
+    or "duration" (a keep_alive string or number of seconds); optional settings may also be unset."""
+
+    kind: str
+    lo: int | None = None
+    hi: int | None = None
+    optional: bool = False
+
+    @property
+    def allowed(self) -> str:
+        if self.kind == "int":
+            if self.lo is not None and self.hi is not None:
+                return f"an integer from {self.lo} to {self.hi}"
+            if self.lo is not None:
+                return f"an integer >= {self.lo}"
+            return "an integer"
+        return {
+            "str": "a string",
+            "host": "a host name or an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)",
+            "bool": "true or false (also 1/0, yes/no, on/off)",
+            "strs": "a list of strings",
+            "duration": "a duration like '5m', '1h30m', '30s', or seconds (0 = unload at once, -1 = never)",
+        }[self.kind]
+
+    def parse(self, text: str) -> Any:
+        """A value from text (an environment variable or a flag), checked; ValueError when not allowed."""
+        text = text.strip()
+        if self.optional and not text:
+            return None
+        if self.kind == "int":
+            try:
+                value: Any = int(text)
+            except ValueError:
+                raise ValueError(self.allowed) from None
+            return self.check(value)
+        if self.kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(self.allowed)
+        if self.kind == "strs":
+            return tuple(p.strip() for p in text.split(",") if p.strip())
+        return self.check(text)
+
+    def check(self, value: Any) -> Any:
+        """A typed value (as TOML gives it), checked; ValueError when not allowed."""
+        if self.optional and (value is None or (isinstance(value, str) and not value.strip())):
+            return None
+        ok = False
+        if self.kind == "int":
+            ok = (isinstance(value, int) and not isinstance(value, bool)
+                  and (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi))
+        elif self.kind == "bool":
+            ok = isinstance(value, bool)
+        elif self.kind == "str":
+            ok = isinstance(value, str)
+        elif self.kind == "host":
+            ok = isinstance(value, str) and valid_host(value)
+            value = value.strip().removeprefix("[").removesuffix("]") if ok else value
+        elif self.kind == "strs":
+            if isinstance(value, list):
+                value = tuple(value)
+            ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+        elif self.kind == "duration":
+            ok = (isinstance(value, str) and bool(value.strip())) or (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+        if not ok:
+            raise ValueError(self.allowed)
+        return value
+
+
+RULES: dict[str, Rule] = {
+    "host": Rule("host"),
+    "port": Rule("int", 1, 65535),
+    "api_key": Rule("str", optional=True),
+    "keep_alive": Rule("duration"),
+    "slots": Rule("int", 1, MAX_SLOTS),
+    "threads": Rule("int", 1, MAX_THREADS, optional=True),
+    "ctx": Rule("int", 1, MAX_CTX, optional=True),
+    "gpu_layers": Rule("int", -1, optional=True),  # -1: every layer
+    "kv_type": Rule("str", optional=True),  # the names: machine.fit.KV_TYPE_SIZES (the CLI checks them)
+    "allowed_origins": Rule("strs"),
+    "allowed_hosts": Rule("strs"),
+    "max_body_bytes": Rule("int", 1),
+    "allow_local_pull": Rule("bool"),
+    "prefix_cache_bytes": Rule("int", 0),
+    "draft": Rule("str", optional=True),
+    "lookup": Rule("bool"),
+    "draft_max": Rule("int", 0, MAX_DRAFT),
+    "draft_adaptive": Rule("bool"),
+}
+_BY_TYPE = {"int": Rule("int"), "int | None": Rule("int", optional=True), "bool": Rule("bool"),
+            "str": Rule("str"), "str | None": Rule("str", optional=True), "tuple[str, ...]": Rule("strs")}
+
+
+def rule(name: str) -> Rule:
+    """The rule for a Settings field: from RULES, else from the field's type (so a new field is still typed)."""
+    if name in RULES:
+        return RULES[name]
+    f = next(f for f in dataclasses.fields(Settings) if f.name == name)
+    return _BY_TYPE.get(str(f.type), Rule("str"))
+
+
+def valid_host(host: str) -> bool:
+    """A bare host to bind or reach: a host name, an IPv4 address or an IPv6 address (brackets allowed)."""
+    import ipaddress
+
+    text = host.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.fullmatch(text)) and not text.replace(".", "").isdigit()
+
+
+def parse_setting(name: str, value: Any) -> Any:
+    """A flag's value for the setting `name`: text is parsed as LOCALLLM_* is, anything else checked
+    as config.toml's values are. ValueError says what is allowed."""
+    r = rule(name)
+    return r.parse(value) if isinstance(value, str) else r.check(value)
 
 
 def _host_port(value: str, current: Settings) -> dict[str, Any]:
-    """`LOCALLLM_HOST` accepts `host`, `host:port` or `:port`, like `OLLAMA_HOST`."""
-    text = value.strip().removeprefix("http://")
-    if text.startswith("[") or text.count(":") != 1:
-        return {"host": text.strip("[]") or current.host}
-    host, port = text.rsplit(":", 1)
-    return {"host": host or current.host, "port": int(port) if port else current.port}
+    """`LOCALLLM_HOST` accepts `host`, `host:port`, `:port`, `[v6]`, `[v6]:port` or a bare IPv6 address,
+    with or without `http://`, like `OLLAMA_HOST`. ValueError names the part that is wrong."""
+    text = value.strip().removeprefix("http://").rstrip("/")
+    port: str | None = None
+    if text.startswith("["):  # [v6] or [v6]:port
+        end = text.find("]")
+        if end < 0 or (text[end + 1:] and not text[end + 1:].startswith(":")):
+            raise ValueError(f"is not host, host:port or :port; {RULES['host'].allowed}")
+        host, rest = text[1:end], text[end + 1:]
+        port = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:  # a host name, IPv4, or a bare IPv6 address
+        host = text
+    out: dict[str, Any] = {"host": current.host}
+    if host:
+        if not valid_host(host):
+            raise ValueError(f"has host {host!r}, which is not {RULES['host'].allowed}")
+        out["host"] = host
+    if port is not None:
+        if not port.strip():
+            raise ValueError(f"has no port after ':'; the port must be {RULES['port'].allowed}")
+        try:
+            out["port"] = RULES["port"].parse(port)
+        except ValueError:
+            raise ValueError(f"has port {port!r}, which is not {RULES['port'].allowed}") from None
+    return out
 
 
-def load_settings(environ: dict[str, str] | None = None) -> Settings:
-    """Read config.toml and the environment into one immutable Settings."""
+def _message(exc: Exception) -> str:
+    message = getattr(exc, "message", None) or str(exc)
+    hint = getattr(exc, "hint", None)
+    return f"{message} ({hint})" if hint else message
+
+
+def load_settings(environ: dict[str, str] | None = None,
+                  checks: dict[str, Callable[[Any], Any]] | None = None) -> Settings:
+    """Read config.toml and the environment into one immutable Settings.
+
+    Every value is checked against RULES (and `checks`, name → a function that raises on a bad value,
+    for what this leaf cannot know: the CLI passes the pool's keep_alive parser and the KV cache types).
+    A bad value raises InvalidSetting naming the file and key, or the variable, and what is allowed."""
     env = os.environ if environ is None else environ
+    checks = checks or {}
     values: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(Settings) if f.name != "extra"}
+
+    def run_check(name: str, value: Any, where: str) -> None:
+        check = checks.get(name)
+        if check is None or value is None:
+            return
+        try:
+            check(value)
+        except (ValueError, TypeError, LocalLLMError) as exc:
+            raise InvalidSetting(f"{where}: {_message(exc)}") from None
+
     cfg_file = paths().config_file
     if cfg_file.is_file():
         try:
             data = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            from localllm.errors import InvalidInput
-
-            raise InvalidInput(f"{cfg_file} is not valid TOML: {exc}", "fix or delete the file") from exc
+            raise InvalidSetting(f"{cfg_file} is not valid TOML: {exc}", "fix or delete the file") from exc
         for key, val in data.items():
-            if key in fields:
-                values[key] = tuple(val) if isinstance(val, list) else val
-            else:
+            if key not in fields:
                 extra[key] = val
+                continue
+            where = f"{key} = {json.dumps(val, default=str)} in {cfg_file}"  # as TOML spells it
+            try:
+                values[key] = rule(key).check(val)
+            except ValueError as exc:
+                raise InvalidSetting(f"{where} is not {exc}") from None
+            run_check(key, values[key], where)
     base = Settings(**values)
-    for name, f in fields.items():
-        raw = env.get(f"LOCALLLM_{name.upper()}")
+    for name in fields:
+        var = f"LOCALLLM_{name.upper()}"
+        raw = env.get(var)
         if raw is None:
             continue
+        where = f"{var}={raw!r}"
         if name == "host":
-            values.update(_host_port(raw, base))
+            try:
+                values.update(_host_port(raw, base))
+            except ValueError as exc:
+                raise InvalidSetting(f"{where} {exc}") from None
             continue
         try:
-            values[name] = _coerce(raw, f.type)
+            values[name] = rule(name).parse(raw)
         except ValueError as exc:
-            from localllm.errors import InvalidInput
-
-            raise InvalidInput(f"LOCALLLM_{name.upper()}={raw!r} is not a valid {f.type}") from exc
+            raise InvalidSetting(f"{where} is not {exc}") from None
+        run_check(name, values[name], where)
     return Settings(**values, extra=extra)

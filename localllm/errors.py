@@ -64,6 +64,18 @@ class StoreError(LocalLLMError):
     pass
 
 
+class StoreUserError(StoreError):
+    """The store refused what was asked (a name that escapes its folders, a malformed digest)."""
+
+    status = 400
+
+
+class CorruptStore(StoreError):
+    """The store on disk is damaged: an unreadable manifest, a file a name points at is missing."""
+
+    status = 500
+
+
 class ModelInUse(StoreError):
     status = 409
 

@@ -120,8 +120,7 @@ def test_store_commit_list_cp_rm(tmp_path: Path) -> None:
     assert store.blob_path(man.digest).read_bytes() == b"x" * 1000
     assert [m.name for m in store.list()] == ["a:1"]
     store.cp("a:1", "b:2")
-    with pytest.raises(StoreError):
-        store.cp("a:1", "b:2")
+    assert store.cp("a:1", "b:2").name == "b:2"  # onto an existing name: replaced, as Ollama does
     assert store.rm("a:1").blob_removed is False  # b:2 still points at it
     assert store.has_blob(man.digest)
     assert store.rm("b:2").blob_removed is True
@@ -198,3 +197,138 @@ def test_sha256_file(tmp_path: Path) -> None:
     f = tmp_path / "x"
     f.write_bytes(b"abc" * 5_000_000)
     assert sha256_file(f) == hashlib.sha256(b"abc" * 5_000_000).hexdigest()
+
+
+# ---- cp onto an existing name: replaced, as Ollama does; no blob another name uses is lost ----------
+def test_cp_onto_an_existing_name_replaces_it(tmp_path: Path) -> None:
+    store = Store()
+    a = _blob(store, tmp_path, b"a" * 100, "a:1")
+    b = _blob(store, tmp_path, b"b" * 200, "b:1")
+    res = store.copy("a:1", "b:1")  # b:1's file is no one else's: it goes
+    assert res.replaced is not None and res.replaced.digest == b.digest and res.blob_removed
+    assert store.get("b:1").digest == a.digest and not store.has_blob(b.digest)
+    assert sorted(p.name for p in store.blobs.iterdir()) == [f"sha256-{a.digest[7:]}"]
+
+    c = _blob(store, tmp_path, b"c" * 300, "c:1")
+    store.cp("c:1", "keep:1")  # keep:1 shares c's file
+    res = store.copy("a:1", "c:1")
+    assert not res.blob_removed and res.kept_reason == "another name points at the same file"
+    assert store.has_blob(c.digest) and store.model_path("keep:1").read_bytes() == b"c" * 300
+
+    with store.in_use("keep:1"):  # a live process uses it: kept, for a later rm/prune
+        res = store.copy("a:1", "keep:1")
+        assert not res.blob_removed and str(os.getpid()) in (res.kept_reason or "")
+        assert store.has_blob(c.digest)
+    assert store.prune() == [c.digest]
+
+    same = store.copy("a:1", "b:1")  # already the same file: nothing to remove
+    assert same.replaced is not None and same.replaced.digest == a.digest and not same.blob_removed
+    assert store.copy("a:1", "a:1").manifest == store.get("a:1")  # onto itself: a no-op
+    assert store.has_blob(a.digest)
+    assert {m.name: m.digest for m in store.list()} == {n: a.digest for n in ("a:1", "b:1", "c:1", "keep:1")}
+
+
+def test_cp_replaces_an_unreadable_destination_and_refuses_bad_names(tmp_path: Path) -> None:
+    store = Store()
+    a = _blob(store, tmp_path, b"a" * 100, "a:1")
+    broken = store.manifest_path("broken:1")
+    broken.parent.mkdir(parents=True)
+    broken.write_text("{not json")
+    assert store.copy("a:1", "broken:1").manifest.digest == a.digest
+    with pytest.raises(InvalidModelName) as bad:
+        store.cp("a:1", "../x")
+    assert bad.value.status == 400
+    with pytest.raises(ModelNotFound) as missing:
+        store.cp("nope:1", "x:1")
+    assert missing.value.status == 404
+
+
+def test_store_errors_say_whose_fault_they_are(tmp_path: Path) -> None:
+    from localllm.errors import CorruptStore, StoreUserError
+
+    store = Store()
+    man = _blob(store, tmp_path, b"w" * 10, "a:1")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.manifests / "evil").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreUserError) as esc:  # a name that leads out of the store: the request's fault
+        store.manifest_path("evil/x:1")
+    assert esc.value.status == 400 and isinstance(esc.value, StoreError)
+    with pytest.raises(StoreUserError) as dig:
+        store.blob_path("sha256:xyz")
+    assert dig.value.status == 400
+    def raw(name: str, text: str) -> None:
+        store.manifest_path(name).parent.mkdir(parents=True, exist_ok=True)
+        store.manifest_path(name).write_text(text)
+
+    raw("bad:1", "{")  # a damaged store stays a server-side error (500)
+    with pytest.raises(CorruptStore) as corrupt:
+        store.get("bad:1")
+    assert corrupt.value.status == 500
+    store.blob_path(man.digest).unlink()
+    with pytest.raises(CorruptStore) as gone:
+        store.require("a:1")
+    assert gone.value.status == 500
+    raw("baddigest:1", '{"name": "baddigest:1", "digest": "sha256:zz", "size": 1}')
+    with pytest.raises(CorruptStore):
+        store.get("baddigest:1")
+    assert [m.name for m in store.list()] == ["a:1"]  # list skips what it cannot read
+
+
+def test_cli_cp_says_it_replaced_the_old_name(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from localllm.cli.models import cp
+
+    store = Store()
+    _blob(store, tmp_path, b"a" * 100, "a:1")
+    b = _blob(store, tmp_path, b"b" * 2000, "b:1")
+    first = CliRunner().invoke(cp, ["a:1", "new:1"])
+    assert first.exit_code == 0 and first.output.strip() == "copied 'a:1' to 'new:1'"
+    again = CliRunner().invoke(cp, ["a:1", "b:1"])
+    assert again.exit_code == 0, again.output
+    assert "replaced the old 'b:1'" in again.output and "2.0 KB, was deleted" in again.output
+    assert not store.has_blob(b.digest)
+    store.cp("a:1", "shared:1")
+    _blob(store, tmp_path, b"c" * 10, "c:1")
+    store.cp("c:1", "c2:1")
+    kept = CliRunner().invoke(cp, ["a:1", "c:1"])
+    assert "replaced the old 'c:1'; its file was kept: another name points at the same file" in kept.output
+
+
+def test_http_copy_onto_an_existing_name(srv: object) -> None:
+    """Ollama's /api/copy: 200 and the destination replaced; 404/400 for a missing source or a bad name."""
+    import httpx
+    import ollama
+    from helpers import TINY, install
+    from tinymodel import make_tiny_gguf
+
+    store = srv.app.state.store  # type: ignore[attr-defined]
+    client = ollama.Client(host=srv.url, timeout=60)  # type: ignore[attr-defined]
+    other = srv.root / "other.gguf"  # type: ignore[attr-defined]
+    install(store, make_tiny_gguf(other, seed=7), "other:1")
+    tiny, oth = store.get(TINY), store.get("other:1")
+    client.copy(TINY, "dup:1")
+    client.generate(model="dup:1", prompt="", keep_alive="5m")  # loaded under that name
+    assert "dup:1" in {m.model for m in client.ps().models}
+    client.copy("other:1", "dup:1")  # onto an existing (and loaded) name: replaced
+    assert store.get("dup:1").digest == oth.digest
+    assert "dup:1" not in {m.model for m in client.ps().models}  # the old engine is not served under it
+    assert store.has_blob(tiny.digest) and store.has_blob(oth.digest)  # both still have names
+    r = client.generate(model="dup:1", prompt="hi", options={"num_predict": 2, "temperature": 0})
+    assert r.eval_count == 2
+    resp = httpx.post(f"{srv.url}/api/copy", json={"source": TINY, "destination": "dup:1"})  # type: ignore[attr-defined]
+    assert resp.status_code == 200 and store.get("dup:1").digest == tiny.digest
+    assert store.has_blob(oth.digest)  # other:1 still points at it
+    for body, status in (({"source": "missing:1", "destination": "x:1"}, 404),
+                         ({"source": TINY, "destination": "../x"}, 400),
+                         ({"source": "../x", "destination": "x:1"}, 400)):
+        resp = httpx.post(f"{srv.url}/api/copy", json=body)  # type: ignore[attr-defined]
+        assert resp.status_code == status, (body, resp.text)
+        assert resp.json()["error"]
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.copy("missing:1", "x:1")
+    assert exc.value.status_code == 404
+    client.delete("dup:1")
+    client.delete("other:1")
+    assert not store.has_blob(oth.digest) and store.has_blob(tiny.digest)

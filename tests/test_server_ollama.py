@@ -93,11 +93,21 @@ def test_list_show_copy_delete(client: ollama.Client) -> None:
 
 
 def test_pull_local_file_with_progress(client: ollama.Client, srv: Server) -> None:
+    """With the opt-in `allow_local_pull` (off by default: over HTTP, files come as uploaded blobs)."""
+    import dataclasses
+
     pytest.importorskip("localllm.models.pull")
     from tinymodel import make_tiny_gguf
 
     path = make_tiny_gguf(srv.root / "imported.gguf", seed=3)
-    events = list(client.pull(str(path), stream=True))
+    with pytest.raises(ollama.ResponseError, match="not files on the server's disk"):
+        list(client.pull(str(path), stream=True))
+    settings = srv.app.state.settings
+    srv.app.state.settings = dataclasses.replace(settings, allow_local_pull=True)
+    try:
+        events = list(client.pull(str(path), stream=True))
+    finally:
+        srv.app.state.settings = settings
     assert events[-1].status == "success", [e.status for e in events]
     assert events[0].status == "pulling manifest"
     assert any(m.model.startswith("imported") for m in client.list().models)

@@ -7,7 +7,9 @@ modules are registered by name and loaded only when that command runs.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
+from typing import Any
 
 import click
 
@@ -33,7 +35,113 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# ---- checking flags and settings: one place for every command --------------------------------------
+# A bad flag, LOCALLLM_* variable or config.toml value is a usage error: one line that names it and says
+# what is allowed, exit status 2, no traceback, and nothing started or loaded before it is refused.
+
+
+class SettingError(click.ClickException):
+    """A bad config.toml value or LOCALLLM_* variable (config.InvalidSetting), shown like a bad flag."""
+
+    exit_code = 2
+
+
+def _check_keep_alive(value: Any) -> None:
+    from localllm.runtime.pool import parse_keep_alive
+
+    parse_keep_alive(value)
+
+
+def _check_kv_type(value: Any) -> None:
+    from localllm.machine.fit import KV_TYPE_SIZES
+
+    if str(value).lower() not in KV_TYPE_SIZES:
+        raise ValueError(f"{value!r} is not a KV cache type (one of {', '.join(KV_TYPE_SIZES)})")
+
+
+# what config.py (a leaf) cannot check itself: the pool's keep_alive grammar and the fit plan's KV types
+SETTING_CHECKS = {"keep_alive": _check_keep_alive, "kv_type": _check_kv_type}
+
+
+def load_settings() -> Any:
+    """config.toml and LOCALLLM_* for a command, every value checked; a bad one raises InvalidSetting,
+    which the command line shows as a usage error (LazyGroup.invoke)."""
+    from localllm.config import load_settings as load
+
+    return load(checks=SETTING_CHECKS)
+
+
+class Setting(click.ParamType):
+    """A flag for a config.py Settings field: the same type, range and message as config.toml and
+    LOCALLLM_* (config.RULES), e.g. `type=Setting("port")`."""
+
+    def __init__(self, setting: str) -> None:
+        from localllm.config import rule
+
+        self.setting = setting
+        kind = rule(setting).kind
+        self.name = {"int": "integer", "bool": "boolean", "strs": "list", "str": "text"}.get(kind, kind)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from localllm.config import parse_setting
+        from localllm.errors import LocalLLMError
+
+        try:
+            out = parse_setting(self.setting, value)
+        except ValueError as exc:
+            self.fail(f"{value!r} is not {exc}", param, ctx)
+        check = SETTING_CHECKS.get(self.setting)
+        if check is not None and out is not None:
+            try:
+                check(out)
+            except (ValueError, LocalLLMError) as exc:
+                msg = getattr(exc, "message", None) or str(exc)
+                hint = getattr(exc, "hint", None)
+                self.fail(f"{msg} ({hint})" if hint else msg, param, ctx)
+        return out
+
+
+class Number(click.FloatRange):
+    """A float flag that must be finite (nan and inf are refused) and within the range given."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        num = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(num):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(num, param, ctx)
+
+
+class IntList(click.ParamType):
+    """A comma-separated list of integers >= lo, e.g. `1,4,8,16` (sorted, duplicates dropped)."""
+
+    name = "list"
+
+    def __init__(self, lo: int = 1) -> None:
+        self.lo = lo
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, list):
+            return value
+        try:
+            out = sorted({int(c) for c in str(value).split(",") if c.strip()})
+        except ValueError:
+            out = []
+        if not out or out[0] < self.lo:
+            self.fail(f"{value!r} is not a comma-separated list of integers >= {self.lo}, e.g. 1,4,8,16", param, ctx)
+        return out
+
+
 class LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        from localllm.config import InvalidSetting
+
+        try:
+            return super().invoke(ctx)
+        except InvalidSetting as exc:  # a bad config.toml value or LOCALLLM_* variable: a usage error
+            raise SettingError(f"{exc.message} ({exc.hint})" if exc.hint else exc.message) from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from localllm.cli import IntList, Number, Setting
 from localllm.cli.run import resolve_model
 from localllm.errors import InvalidInput
 
@@ -20,35 +21,39 @@ def _given(param: str) -> bool:
 
 @click.command()
 @click.argument("model")
-@click.option("--ctx", type=int, default=4096, show_default=True)
-@click.option("--threads", type=int, help="CPU threads (default: all cores).")
-@click.option("--gen", type=int, help="Tokens generated per stream (default 128; 256 with --spec).")
+@click.option("--ctx", type=Setting("ctx"), default=4096, show_default=True)
+@click.option("--threads", type=Setting("threads"), help="CPU threads (default: all cores).")
+@click.option("--gen", type=click.IntRange(min=1),
+              help="Tokens generated per stream (default 128; 256 with --spec).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--quants", is_flag=True, help="Instead: build a quant ladder from MODEL and measure each type.")
 @click.option("--types", help="With --quants: comma-separated types (default Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q3_K_M,Q2_K; the F16 source is the baseline).")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --quants: the perplexity text (default: the shipped public-domain text).")
-@click.option("--tokens", "decode_tokens", type=int, default=96, show_default=True,
+@click.option("--tokens", "decode_tokens", type=click.IntRange(min=1), default=96, show_default=True,
               help="With --quants: tokens decoded for the decode speed.")
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path),
               help="With --quants: keep the quantized files in this folder (default: a temp folder, removed after).")
 @click.option("--http", is_flag=True, help="Instead: load over HTTP against `localllm serve` (and llama_cpp.server).")
-@click.option("--clients", default="1,4,8,16", show_default=True, help="With --http: concurrent client counts.")
+@click.option("--clients", type=IntList(1), default="1,4,8,16", show_default=True,
+              help="With --http: concurrent client counts.")
 @click.option("--vs-llama-cpp-server/--no-vs-llama-cpp-server", default=True, show_default=True,
               help="With --http: also load llama-cpp-python's own server (if installed).")
 @click.option("--spec", is_flag=True, help="Instead: decode speed with and without speculative decoding "
               "(prompt lookup, and a draft model with --draft).")
 @click.option("--draft", help="With --spec: a draft model (same tokenizer as MODEL).")
-@click.option("--draft-max", type=int, default=16, show_default=True, help="With --spec: most tokens drafted per step.")
-@click.option("--soak", type=float, metavar="SECONDS", help="Instead: the largest --clients count for SECONDS "
-              "over HTTP; reports requests, errors and server RSS.")
-@click.option("--fuzz", type=float, metavar="SECONDS", help="Instead: a seeded differential fuzzer for SECONDS: "
-              "random request sequences (concurrency, shared prefixes, cancels, parked states, context shifts, "
-              "drafting) whose greedy probes must match a fresh llama.cpp context; exits 1 on a mismatch "
+@click.option("--draft-max", type=Setting("draft_max"), default=16, show_default=True,
+              help="With --spec: most tokens drafted per step, 0-64.")
+@click.option("--soak", type=Number(min=0, min_open=True), metavar="SECONDS",
+              help="Instead: the largest --clients count for SECONDS over HTTP; reports requests, errors and "
+              "server RSS.")
+@click.option("--fuzz", type=Number(min=0, min_open=True), metavar="SECONDS",
+              help="Instead: a seeded differential fuzzer for SECONDS: random request sequences (concurrency, "
+              "shared prefixes, cancels, parked states, context shifts, drafting) whose greedy probes must match a fresh llama.cpp context; exits 1 on a mismatch "
               "(--ctx defaults to 1024 here).")
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
-          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: str, vs_llama_cpp_server: bool, soak: float | None, spec: bool,
+          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
@@ -95,10 +100,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
         if resolve_model(model)[0] == Path(model).expanduser():  # also pulls a catalog model not installed yet
             raise InvalidInput("--http needs an installed model name (the server serves the store), not a file")
-        try:
-            counts = sorted({int(c) for c in clients.split(",") if c.strip()})
-        except ValueError:
-            raise click.BadParameter("a comma-separated list of numbers, e.g. 1,4,8,16", param_hint="--clients") from None
+        counts = clients  # IntList: sorted, each >= 1
         say = lambda m: click.echo(m, err=True)  # progress on stderr, results on stdout
         if soak:
             res = bench_http.soak(model, seconds=soak, clients=max(counts), threads=threads or 2, ctx=ctx, log=say)

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from localllm.cli import Setting, load_settings
+
 
 def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True) -> tuple[Any, str | None]:
     """(backend, model name): an HttpBackend when a localllm server answers at the configured address
@@ -17,7 +19,6 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     is_file = bool(model and (model.endswith(".gguf") or Path(model).expanduser().is_file()))
     if use_server and not is_file:
         from localllm.cli.client import find_server
-        from localllm.config import load_settings
 
         settings = load_settings()
         url = find_server(settings)
@@ -38,7 +39,6 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
         return EngineBackend.single(engine, path.name, file_format(path, None, engine.model)), path.name
 
     from localllm.compose.spec import Composer
-    from localllm.config import load_settings
     from localllm.models import pull as pull_mod
     from localllm.models.catalog import Catalog
     from localllm.models.store import Store
@@ -46,7 +46,8 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
 
     store, catalog = Store(), Catalog.load()
     # one person chatting: one slot is enough and leaves the memory to the context
-    settings = dataclasses.replace(load_settings(), slots=1, ctx=ctx or load_settings().ctx)
+    settings = load_settings()
+    settings = dataclasses.replace(settings, slots=1, ctx=ctx or settings.ctx)
     composer = Composer(settings, store, catalog)
     pool = ModelPool(composer.resolve, engine_factory=Engine)
 
@@ -61,7 +62,7 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
 
 @click.command()
 @click.argument("model", required=False)
-@click.option("--ctx", type=int, default=None, help="Context size in tokens (default: fit to memory).")
+@click.option("--ctx", type=Setting("ctx"), default=None, help="Context size in tokens (default: fit to memory).")
 @click.option("--db", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Conversation database (default: chats.sqlite in the data folder).")
 @click.option("--no-server", is_flag=True, help="Run the model in this process even when `localllm serve` "

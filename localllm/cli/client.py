@@ -22,7 +22,8 @@ def server_url(settings: Any) -> str:
 
 
 def find_server(settings: Any = None, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """The base URL of a localllm server answering at the configured address, else None (never raises).
+    """The base URL of a localllm server answering at the configured address, else None (raises only on a
+    bad setting when `settings` is not given: config.InvalidSetting).
 
     GET /api/version says something is there; GET / says it is localllm and not Ollama itself, which
     listens on the same default port but has other models.
@@ -30,9 +31,9 @@ def find_server(settings: Any = None, timeout: float = PROBE_TIMEOUT_S) -> str |
     import httpx
 
     if settings is None:
-        from localllm.config import load_settings
+        from localllm.cli import load_settings
 
-        settings = load_settings()
+        settings = load_settings()  # a bad setting raises: it is the user's to fix, not "no server"
     url = server_url(settings)
     deadline = time.monotonic() + timeout
     try:

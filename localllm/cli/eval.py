@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from localllm.cli import Setting
 from localllm.cli.render import print_json
 
 
@@ -18,8 +19,8 @@ def eval_() -> None:
 @click.argument("model")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text to score (default: the public-domain text shipped with localllm).")
-@click.option("--ctx", type=int, default=512, show_default=True, help="Window size in tokens.")
-@click.option("--threads", "-t", type=int, help="CPU threads (default: all).")
+@click.option("--ctx", type=Setting("ctx"), default=512, show_default=True, help="Window size in tokens.")
+@click.option("--threads", "-t", type=Setting("threads"), help="CPU threads (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def ppl(model: str, text_path: Path | None, ctx: int, threads: int | None, as_json: bool) -> None:
     """Perplexity of MODEL (store name or .gguf path) over a text, llama.cpp-style windows."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from localllm.cli import Setting
 from localllm.cli.render import console, fit_rows, human_bytes, print_json, table
 
 
@@ -142,10 +143,10 @@ def _ago(ts: float) -> str:
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--fit", is_flag=True, help="Show how the model would be fitted to this machine.")
-@click.option("--ctx", type=int, help="With --fit: plan for this context size.")
-@click.option("--gpu-layers", type=int, help="With --fit: force this many GPU layers.")
+@click.option("--ctx", type=Setting("ctx"), help="With --fit: plan for this context size.")
+@click.option("--gpu-layers", type=Setting("gpu_layers"), help="With --fit: force this many GPU layers.")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32"]), help="With --fit: KV cache type.")
-@click.option("--slots", type=int, help="With --fit: parallel sequence slots.")
+@click.option("--slots", type=Setting("slots"), help="With --fit: parallel sequence slots.")
 def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int | None,
          kv_type: str | None, slots: int | None) -> None:
     """Show what a model is: architecture, parameters, quant, context, layers, heads, size.
@@ -231,17 +232,41 @@ def rm(models: tuple[str, ...]) -> None:
 @click.argument("source")
 @click.argument("destination")
 def cp(source: str, destination: str) -> None:
-    """Copy SOURCE to a new name DESTINATION; both names share one file."""
+    """Copy SOURCE to the name DESTINATION; both names share one file. An existing DESTINATION is replaced
+    (as `ollama cp` does); its old file is removed only when no other name and no running process uses it."""
     from localllm.models.store import Store
 
-    man = Store().cp(source, destination)
-    click.echo(f"copied '{source}' to '{man.name}'")
+    res = Store().copy(source, destination)
+    msg = f"copied '{source}' to '{res.manifest.name}'"
+    if res.replaced is not None and res.replaced.digest == res.manifest.digest:
+        msg += " (it already pointed at the same file)"
+    elif res.replaced is not None:
+        msg += f" (replaced the old '{res.replaced.name}'"
+        if res.blob_removed:
+            msg += f"; its file, {human_bytes(res.replaced.size)}, was deleted)"
+        else:
+            msg += f"; its file was kept: {res.kept_reason})"
+    click.echo(msg)
 
 
 @click.command()
-def prune() -> None:
-    """Delete model files that no name points at and no process uses."""
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def prune(as_json: bool) -> None:
+    """Delete model files that no name points at and no process uses, and the temporary files that
+    interrupted (killed) imports, pulls and quantizations left. Partial downloads are kept: the next
+    pull of the same file resumes them."""
     from localllm.models.store import Store
 
-    removed = Store().prune()
-    click.echo(f"removed {len(removed)} unreferenced file(s)")
+    res = Store().collect_garbage()
+    if as_json:
+        print_json({"removed": res.blobs, "removed_bytes": res.blob_bytes,
+                    "temporaries": [str(p) for p in res.temporaries], "temporary_bytes": res.temp_bytes,
+                    "freed_bytes": res.freed, "partials_kept": [str(p) for p in res.partials],
+                    "partial_bytes": res.partial_bytes})
+        return
+    click.echo(f"removed {len(res.blobs)} unreferenced file(s) ({human_bytes(res.blob_bytes)}) and "
+               f"{len(res.temporaries)} abandoned temporary file(s) ({human_bytes(res.temp_bytes)}); "
+               f"freed {human_bytes(res.freed)}")
+    if res.partials:
+        click.echo(f"kept {len(res.partials)} partial download(s) ({human_bytes(res.partial_bytes)}) for the "
+                   "next pull to resume")

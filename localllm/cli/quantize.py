@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from localllm.cli import Setting
 from localllm.cli.render import console, human_bytes, print_json
 
 
@@ -44,7 +45,7 @@ def _report(man: object, as_json: bool, seconds: float) -> None:
 @click.option("--allow-requantize", is_flag=True, help="Quantize an already-quantized file (loses quality).")
 @click.option("--imatrix", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Importance matrix for IQ types.")
-@click.option("--threads", "-t", type=int, help="Threads for the quantizer (default: all).")
+@click.option("--threads", "-t", type=Setting("threads"), help="Threads for the quantizer (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the resulting manifest as JSON.")
 def quantize(source: str, qtype: str, name: str | None, allow_requantize: bool, imatrix: Path | None,
              threads: int | None, as_json: bool) -> None:

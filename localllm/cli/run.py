@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from localllm.cli import Number, Setting
 from localllm.errors import InvalidInput
 
 
@@ -81,12 +82,13 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
 @click.command()
 @click.argument("model")
 @click.argument("prompt", required=False)
-@click.option("--ctx", type=int, help="Context size in tokens (default: the fit plan's).")
-@click.option("--slots", type=int, default=1, show_default=True, help="Parallel sequences.")
-@click.option("--threads", type=int, help="CPU threads (default: the fit plan's).")
-@click.option("--gpu-layers", type=int, help="Layers to offload to the GPU (default: the fit plan's).")
+@click.option("--ctx", type=Setting("ctx"), help="Context size in tokens (default: the fit plan's).")
+@click.option("--slots", type=Setting("slots"), default=1, show_default=True, help="Parallel sequences, 1-256.")
+@click.option("--threads", type=Setting("threads"), help="CPU threads (default: the fit plan's).")
+@click.option("--gpu-layers", type=Setting("gpu_layers"),
+              help="Layers to offload to the GPU, -1 for all (default: the fit plan's).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0", "f32", "bf16"]), help="KV cache type.")
-@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--temperature", type=Number(min=0), default=0.8, show_default=True, help="0 = greedy.")
 @click.option("--seed", type=int)
 @click.option("--max-tokens", type=int, default=512, show_default=True)
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
@@ -95,7 +97,8 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
               help="Run in this process even when a `localllm serve` answers at the configured address.")
 @click.option("--draft", help="Speculative decoding with this draft model (same tokenizer); runs in-process.")
 @click.option("--lookup", is_flag=True, help="Speculative decoding by prompt lookup; runs in-process.")
-@click.option("--draft-max", type=int, default=16, show_default=True, help="Most tokens drafted per step.")
+@click.option("--draft-max", type=Setting("draft_max"), default=16, show_default=True,
+              help="Most tokens drafted per step, 0-64.")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
         verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int) -> None:
@@ -152,9 +155,8 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
     p = Path(model).expanduser()
     if p.suffix == ".gguf" or p.is_file():  # a file path is not something a server can be asked for
         return False
-    from localllm.cli import remote
+    from localllm.cli import load_settings, remote
     from localllm.cli.client import find_server
-    from localllm.config import load_settings
 
     settings = load_settings()
     url = find_server(settings)

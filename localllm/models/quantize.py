@@ -2,15 +2,15 @@
 
 `llama_cpp` is imported lazily (only when a quantization actually runs) so importing this module
 stays cheap. Every output is written to a temporary file next to its destination and renamed only on
-success: a failure, or Ctrl-C, leaves no partial file behind.
+success: a failure, or Ctrl-C, leaves no partial file behind. The temporaries follow the store's
+temp-file rule (localllm.models.store.temporary): stamped with this process, so one left by a kill -9
+is removed by the next store-writing command or `localllm prune`, and a live one never is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import DiskSpaceError, InvalidInput, LocalLLMError, NotGGUF
+from localllm.models.files import temporary
 from localllm.models.gguf_meta import GGUFFile, read_gguf
 
 TOOL = "llama.cpp via llama-cpp-python 0.3.36"
@@ -128,8 +129,6 @@ def quantize(src: Path, dst: Path, qtype: str, *, allow_requantize: bool = False
     params.ftype = FTYPES[name]
     params.allow_requantize = allow_requantize
     params.nthread = threads or 0  # 0: llama.cpp uses all hardware threads
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".part")
-    os.close(fd)
     import logging
 
     # llama.cpp logs one line per tensor through llama_cpp's logger; keep errors only unless verbose
@@ -139,18 +138,18 @@ def quantize(src: Path, dst: Path, qtype: str, *, allow_requantize: bool = False
         log.setLevel(logging.ERROR)
     stop, thread = _spinner(progress)
     try:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), tmp.encode(), params)
-        if rc != 0:
-            raise LocalLLMError(f"llama.cpp could not quantize {src.name} to {name} (code {rc})",
-                                "see the log above; the source may be corrupt or of an unsupported architecture")
-        os.replace(tmp, dst)
+        with temporary(dst.parent, dst.name) as tmp:
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+            if rc != 0:
+                raise LocalLLMError(f"llama.cpp could not quantize {src.name} to {name} (code {rc})",
+                                    "see the log above; the source may be corrupt or of an unsupported "
+                                    "architecture")
+            os.replace(tmp, dst)
     finally:
         log.setLevel(old_level)
         stop.set()
         if thread is not None:
             thread.join()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     return dst
 
 
@@ -177,10 +176,8 @@ def dequantize_to_f16(src: Path, dst: Path, *, progress: Progress | None = None)
     if progress:
         progress("reading", 0.0)
     reader = GGUFReader(src)  # parses every array (262k-token vocab: ~15 s)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        writer = GGUFWriter(tmp, arch)
+    with temporary(dst.parent, dst.name) as tmp:
+        writer = GGUFWriter(str(tmp), arch)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
                 continue
@@ -205,9 +202,6 @@ def dequantize_to_f16(src: Path, dst: Path, *, progress: Progress | None = None)
         writer.close()
         read_gguf(tmp)  # sanity: the result parses and is complete
         os.replace(tmp, dst)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     return dst
 
 
@@ -280,6 +274,7 @@ def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any,
     from localllm.models.store import Manifest, Store, sha256_file
 
     store = store or Store()
+    store.sweep_temporaries()  # what a killed quantize (or import) left behind
     src, src_name, store_name = resolve_source(source, store)
     src_name = source_name or src_name
     from localllm.models.names import normalize
@@ -288,19 +283,16 @@ def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any,
     check(src, src_name)  # bad file, type or flags fail here: before hashing the source or creating anything
     if source_digest is None:
         source_digest = f"sha256:{src.name.removeprefix('sha256-')}" if store_name else f"sha256:{sha256_file(src)}"
-    store.blobs.mkdir(parents=True, exist_ok=True)
-    # the temp output lives in the blobs folder so commit_blob is a rename, and is removed on failure
-    fd, tmp = tempfile.mkstemp(dir=store.blobs, prefix=".quantize-", suffix=".gguf")
-    os.close(fd)
-    out = Path(tmp)
-    try:
+    # the output is a stamped temporary in the blobs folder, so commit_blob is a rename; it is removed on
+    # failure, and by the next sweep if this process is killed
+    with temporary(store.blobs, f"quantize-{qtype.lower()}") as out:
         run(src, out)
-        digest, size = store.commit_blob(out)
-    finally:
-        out.unlink(missing_ok=True)
-    man = Manifest(name=target, digest=digest, size=size, quant=qtype.upper(),
-                   source=origin or {"kind": "quantize", "from": store_name or str(src)},
-                   lineage={"source_digest": source_digest, "source_name": src_name,
-                            "type": qtype.upper(), "tool": tool})
-    store.write_manifest(man)
+        digest = f"sha256:{sha256_file(out)}"
+        with store.writer_lock(digest):  # a prune cannot take the blob between its commit and its manifest
+            digest, size = store.commit_blob(out, digest, verified=True)
+            man = Manifest(name=target, digest=digest, size=size, quant=qtype.upper(),
+                           source=origin or {"kind": "quantize", "from": store_name or str(src)},
+                           lineage={"source_digest": source_digest, "source_name": src_name,
+                                    "type": qtype.upper(), "tool": tool})
+            store.write_manifest(man)
     return man

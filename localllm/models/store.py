@@ -8,6 +8,8 @@ Layout under the data folder:
 Every write goes to a temporary file in the target folder and is renamed into place, so a crash
 leaves either the old state or the new one. A blob is deleted only when no manifest points at it and
 no live process has marked it in use.
+
+The temp-file rule and the hashing writes live in files.py.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,52 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from localllm import config
-from localllm.errors import IntegrityError, ModelNotFound, StoreError
+from localllm.errors import CorruptStore, IntegrityError, ModelNotFound, StoreError, StoreUserError
+from localllm.models.files import (
+    SweepResult,
+    atomic_write_bytes,
+    copy_hashing,
+    hex_digest,
+    pid_alive,
+    sha256_file,
+    sweep_folder,
+    temporary,
+)
 from localllm.models.names import normalize
-
-HASH_CHUNK = 4 * 1024 * 1024
-
-
-def sha256_file(path: Path, h: hashlib._Hash | None = None) -> str:
-    h = h or hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _hex(digest: str) -> str:
-    hexpart = digest.split(":", 1)[1] if ":" in digest else digest.removeprefix("sha256-")
-    if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart.lower()):
-        raise StoreError(f"not a sha256 digest: {digest!r}")
-    return hexpart.lower()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -91,7 +57,14 @@ class Manifest:
     def from_json(cls, data: bytes) -> Manifest:
         raw = json.loads(data)
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        return cls(**known)
+        man = cls(**known)
+        if not isinstance(man.digest, str) or not isinstance(man.name, str):
+            raise TypeError("name and digest must be strings")
+        try:
+            hex_digest(man.digest)
+        except StoreError as exc:
+            raise ValueError(exc.message) from None
+        return man
 
 
 @dataclass
@@ -99,6 +72,28 @@ class RemoveResult:
     name: str
     blob_removed: bool
     kept_reason: str | None = None
+
+
+@dataclass
+class CopyResult:
+    manifest: Manifest
+    replaced: Manifest | None = None  # what the destination name pointed at before, if it existed
+    blob_removed: bool = False  # the replaced name's file was removed (nothing else used it)
+    kept_reason: str | None = None  # why the replaced name's file was kept
+
+
+@dataclass
+class PruneResult:
+    blobs: list[str] = field(default_factory=list)  # digests of the files removed
+    blob_bytes: int = 0
+    temporaries: list[Path] = field(default_factory=list)  # abandoned temporaries removed
+    temp_bytes: int = 0
+    partials: list[Path] = field(default_factory=list)  # resumable downloads, kept
+    partial_bytes: int = 0
+
+    @property
+    def freed(self) -> int:
+        return self.blob_bytes + self.temp_bytes
 
 
 class Store:
@@ -119,14 +114,14 @@ class Store:
         return self.root / "locks"
 
     def blob_path(self, digest: str) -> Path:
-        return self.blobs / f"sha256-{_hex(digest)}"
+        return self.blobs / f"sha256-{hex_digest(digest)}"
 
     def manifest_path(self, name: str) -> Path:
         model, tag = normalize(name).rsplit(":", 1)
         path = self.manifests.joinpath(*model.split("/"), f"{tag}.json")
         # parse_name already refuses '..'; this is the belt to those braces
         if self.manifests.resolve() not in path.resolve().parents:
-            raise StoreError(f"model name {name!r} escapes the store")
+            raise StoreUserError(f"model name {name!r} escapes the store")
         return path
 
     # --- reading ----------------------------------------------------------------------------
@@ -140,7 +135,7 @@ class Store:
         except FileNotFoundError:
             return None
         except (ValueError, TypeError) as exc:
-            raise StoreError(f"manifest for {name} is unreadable: {exc}", f"remove it: localllm rm {name}") from exc
+            raise CorruptStore(f"manifest for {name} is unreadable: {exc}", f"remove it: localllm rm {name}") from exc
 
     def require(self, name: str) -> Manifest:
         man = self.get(name)
@@ -152,7 +147,7 @@ class Store:
             hint = f"did you mean: {', '.join(close)}?" if close else f"pull it first: localllm pull {name}"
             raise ModelNotFound(f"model {normalize(name)!r} is not installed", hint)
         if not self.has_blob(man.digest):
-            raise StoreError(f"the file of {man.name} is missing from the store",
+            raise CorruptStore(f"the file of {man.name} is missing from the store",
                              f"pull it again: localllm pull {man.name}")
         return man
 
@@ -190,45 +185,66 @@ class Store:
         """Put a finished file into the store under its sha256 and return (digest, size).
 
         With `digest`, the file must hash to it (else IntegrityError and the store is untouched).
-        The file is moved when `move` and on the same filesystem, else copied; either way the blob
-        appears under its final name only when complete. `verified` skips re-hashing a file whose
-        sha256 the caller computed while writing it (multi-GB downloads).
+        The file is moved when `move` and on the same filesystem (one rename), else copied through a
+        stamped temporary in blobs/ (hashed while copying: the blob is what was checked); either way
+        the blob appears under its final name only when complete. `verified` skips re-hashing a file
+        whose sha256 the caller computed while writing it (multi-GB downloads).
         """
-        actual = _hex(digest) if verified and digest else sha256_file(src)
-        if digest is not None and _hex(digest) != actual:
-            raise IntegrityError(
-                f"sha256 mismatch for {src.name}: expected {_hex(digest)}, got {actual}",
-                "the download was corrupted; run the pull again",
-            )
-        final = self.blob_path(actual)
+        src = Path(src)
+        expected = hex_digest(digest) if digest is not None else None
         size = src.stat().st_size
         self.blobs.mkdir(parents=True, exist_ok=True)
-        if final.is_file() and final.stat().st_size == size:
+
+        def check(actual: str) -> None:
+            if expected is not None and expected != actual:
+                raise IntegrityError(
+                    f"sha256 mismatch for {src.name}: expected {expected}, got {actual}",
+                    "the download was corrupted; run the pull again",
+                )
+
+        def done(actual: str) -> bool:
+            final = self.blob_path(actual)
+            return final.is_file() and final.stat().st_size == size
+
+        actual: str | None = None
+        if move or verified or (expected is not None and done(expected)):
+            actual = expected if verified and expected is not None else sha256_file(src)
+            check(actual)
+            if done(actual):
+                if move:
+                    src.unlink(missing_ok=True)
+                return f"sha256:{actual}", size
             if move:
-                src.unlink(missing_ok=True)
-            return f"sha256:{actual}", size
-        fd, tmp = tempfile.mkstemp(dir=self.blobs, prefix=f".{final.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            try:
-                if not move:
-                    raise OSError("copy requested")
-                os.replace(src, tmp)
-            except OSError:
-                shutil.copyfile(src, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-            if move:
-                src.unlink(missing_ok=True)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return f"sha256:{actual}", size
+                try:
+                    os.replace(src, self.blob_path(actual))  # the same filesystem: one atomic rename
+                    return f"sha256:{actual}", size
+                except OSError:
+                    pass  # another filesystem (or a read-only source folder): copy
+        with temporary(self.blobs, f"sha256-{actual or expected or 'import'}") as tmp:
+            copied = copy_hashing(src, tmp)
+            if actual is not None and copied != actual:
+                raise IntegrityError(f"{src} changed while it was copied into the store", "copy it again")
+            check(copied)
+            os.replace(tmp, self.blob_path(copied))
+        if move:
+            src.unlink(missing_ok=True)
+        return f"sha256:{copied}", size
+
+    # --- temporaries ------------------------------------------------------------------------
+    def temp_folders(self) -> list[tuple[Path, bool]]:
+        """(folder, recursive) for every folder a store writer puts temporaries in."""
+        return [(self.blobs, False), (self.manifests, True), (config.paths().partials, False)]
+
+    def sweep_temporaries(self, *, legacy: bool = True) -> SweepResult:
+        """Remove every abandoned temporary (the module's temp-file rule); a live writer's stays."""
+        out = SweepResult()
+        for folder, recursive in self.temp_folders():
+            out.add(sweep_folder(folder, recursive=recursive, legacy=legacy))
+        return out
 
     # --- in use -----------------------------------------------------------------------------
     def _users_dir(self, digest: str) -> Path:
-        return self.locks / f"inuse-{_hex(digest)}"
+        return self.locks / f"inuse-{hex_digest(digest)}"
 
     @contextlib.contextmanager
     def in_use(self, name: str) -> Iterator[Path]:
@@ -248,7 +264,7 @@ class Store:
         pids = []
         if folder.is_dir():
             for marker in folder.iterdir():
-                if marker.name.isdigit() and _pid_alive(int(marker.name)):
+                if marker.name.isdigit() and pid_alive(int(marker.name)):
                     pids.append(int(marker.name))
                 else:
                     marker.unlink(missing_ok=True)  # left by a process that died
@@ -258,39 +274,91 @@ class Store:
         man = self.get(name)
         if man is None:
             raise ModelNotFound(f"model {normalize(name)!r} is not installed", "see `localllm list`")
+        self.sweep_temporaries()
         with self.writer_lock(man.digest):
-            self.manifest_path(man.name).unlink()
+            self.manifest_path(man.name).unlink(missing_ok=True)
             self._prune_empty_dirs(self.manifest_path(man.name).parent)
-            if any(m.digest == man.digest for m in self.list()):
-                return RemoveResult(man.name, False, "another name points at the same file")
-            pids = self.users(man.digest)
-            if pids:
-                return RemoveResult(man.name, False, f"in use by process {', '.join(map(str, pids))}; "
-                                    "the file is removed by the next `localllm rm` or `localllm prune`")
-            self.blob_path(man.digest).unlink(missing_ok=True)
-            return RemoveResult(man.name, True)
+            removed, reason = self._drop_blob_if_unused(man.digest)
+            return RemoveResult(man.name, removed, reason)
+
+    def _drop_blob_if_unused(self, digest: str) -> tuple[bool, str | None]:
+        """Delete a blob no manifest points at and no live process uses; the caller holds its writer_lock."""
+        if any(hex_digest(m.digest) == hex_digest(digest) for m in self.list()):
+            return False, "another name points at the same file"
+        pids = self.users(digest)
+        if pids:
+            return False, (f"in use by process {', '.join(map(str, pids))}; "
+                           "the file is removed by the next `localllm rm` or `localllm prune`")
+        self.blob_path(digest).unlink(missing_ok=True)
+        return True, None
 
     def prune(self) -> list[str]:
         """Delete blobs no manifest points at and no process uses. Returns the digests removed."""
-        referenced = {_hex(m.digest) for m in self.list()}
-        removed = []
-        if not self.blobs.is_dir():
-            return removed
-        for blob in self.blobs.glob("sha256-*"):
-            hexpart = blob.name.removeprefix("sha256-")
-            if len(hexpart) != 64 or hexpart in referenced or self.users(hexpart):
-                continue
-            blob.unlink(missing_ok=True)
-            removed.append(f"sha256:{hexpart}")
-        return removed
+        return self.collect_garbage().blobs
+
+    def collect_garbage(self) -> PruneResult:
+        """`localllm prune`: abandoned temporaries, then blobs no manifest points at and no live process
+        uses (each checked again under its writer lock: a pull that is writing its manifest wins).
+        Resumable partial downloads are kept and reported."""
+        from filelock import Timeout
+
+        out = PruneResult()
+        swept = self.sweep_temporaries()
+        out.temporaries, out.temp_bytes = swept.removed, swept.bytes
+        if self.blobs.is_dir():
+            referenced = {hex_digest(m.digest) for m in self.list()}
+            for blob in sorted(self.blobs.glob("sha256-*")):
+                hexpart = blob.name.removeprefix("sha256-")
+                if len(hexpart) != 64 or hexpart in referenced:
+                    continue
+                try:
+                    with self.writer_lock(f"sha256:{hexpart}", timeout=0):
+                        try:
+                            size = blob.stat().st_size
+                        except FileNotFoundError:
+                            continue
+                        removed, _ = self._drop_blob_if_unused(f"sha256:{hexpart}")
+                except Timeout:  # a writer of this very file is at work: not garbage
+                    continue
+                if removed:
+                    out.blobs.append(f"sha256:{hexpart}")
+                    out.blob_bytes += size
+        partials = config.paths().partials
+        if partials.is_dir():
+            for p in sorted(partials.glob("*.partial")):
+                with contextlib.suppress(OSError):
+                    out.partial_bytes += p.stat().st_size
+                    out.partials.append(p)
+        return out
 
     def cp(self, src: str, dst: str) -> Manifest:
+        """Copy `src` to the name `dst` (replacing what `dst` was); returns the new manifest."""
+        return self.copy(src, dst).manifest
+
+    def copy(self, src: str, dst: str) -> CopyResult:
+        """Point the name `dst` at `src`'s file, as Ollama's copy does: an existing `dst` is replaced.
+
+        The old `dst` file is removed only when nothing else points at it and no live process uses it
+        (as `rm` decides); otherwise it stays for the names that share it, or for prune.
+        """
+        dst = normalize(dst)
+        self.manifest_path(dst)  # a bad destination fails before anything changes
         man = self.require(src)
-        if self.get(dst) is not None:
-            raise StoreError(f"{normalize(dst)} already exists", f"remove it first: localllm rm {dst}")
-        copy = Manifest(**{**asdict(man), "name": normalize(dst), "created": time.time()})
-        self.write_manifest(copy)
-        return copy
+        self.sweep_temporaries()
+        if man.name == dst:
+            return CopyResult(man)
+        with self.writer_lock(man.digest):  # an rm of src's last other name cannot take the file meanwhile
+            man = self.require(src)
+            old = None
+            with contextlib.suppress(CorruptStore):  # an unreadable destination is simply replaced
+                old = self.get(dst)
+            copy = Manifest(**{**asdict(man), "name": dst, "created": time.time()})
+            self.write_manifest(copy)
+        if old is None or old.digest == copy.digest:
+            return CopyResult(copy, old)
+        with self.writer_lock(old.digest):
+            removed, reason = self._drop_blob_if_unused(old.digest)
+        return CopyResult(copy, old, removed, reason)
 
     def _prune_empty_dirs(self, folder: Path) -> None:
         while folder != self.manifests and self.manifests in folder.parents:

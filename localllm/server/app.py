@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
 from localllm.config import Settings, load_settings
 from localllm.errors import LocalLLMError
-from localllm.server.security import BodyTooLarge, GuardMiddleware, error_body
+from localllm.server.security import BodyTooLarge, GuardMiddleware, body_problem, error_body, is_blob_upload
 
 
 def _json_error(request: Request, status: int, message: str) -> Response:
@@ -25,19 +26,63 @@ def _json_error(request: Request, status: int, message: str) -> Response:
 
 
 class JSONBodies:
-    """Every endpoint takes JSON; `curl -d '{...}'` labels it form data. Read any body as JSON, like Ollama
-    and llama-server do (cross-site senders are refused by GuardMiddleware before this)."""
+    """Every endpoint but the blob upload takes JSON; `curl -d '{...}'` labels it form data. Read any body
+    as JSON, like Ollama and llama-server do (cross-site senders are refused by GuardMiddleware before
+    this). The body (already capped by GuardMiddleware) is read here first and refused before any
+    parser sees it when it is not UTF-8 or nests deeper than MAX_JSON_DEPTH, with a 400 in the path's
+    dialect that says where; then it is handed on unchanged."""
+
+    METHODS = ("POST", "PUT", "PATCH", "DELETE")
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "DELETE"):
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
-            ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"")
-            if b"json" not in ctype.lower():
-                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("method") not in self.METHODS \
+                or is_blob_upload(scope["method"], scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+        ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"")
+        if b"json" not in ctype.lower():
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        path = scope.get("path", "")
+        chunks: list[bytes] = []
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client is gone: nobody to answer
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except BodyTooLarge as exc:
+            await _send_error(send, path, 413, str(exc))
+            return
+        body = b"".join(chunks)
+        if body:
+            # a big body is checked off the event loop, so that other requests go on meanwhile
+            problem = await run_in_threadpool(body_problem, body) if len(body) > (1 << 16) else body_problem(body)
+            if problem is not None:
+                await _send_error(send, path, 400, problem)
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: http.disconnect, which streaming responses watch
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Any, path: str, status: int, message: str) -> None:
+    body = error_body(path, status, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class LoadTracker:
@@ -86,7 +131,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         if err.get("type") == "json_invalid":
-            return "Request body is not valid JSON: " + str(err.get("ctx", {}).get("error", err.get("msg")))
+            pos = err.get("loc", ())[-1] if err.get("loc") else None
+            where = f" at character {pos}" if isinstance(pos, int) else ""
+            return f"Request body is not valid JSON{where}: " + str(err.get("ctx", {}).get("error", err.get("msg")))
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "Invalid request: " + "; ".join(parts)
 
@@ -149,9 +196,10 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
         logging.getLogger("localllm.server").exception("unhandled error on %s", request.url.path)
         return _json_error(request, 500, f"internal error ({type(exc).__name__}); see the server log")
 
-    from localllm.server import llamacpp, ollama, ollama_gen, openai
+    from localllm.server import blobs, llamacpp, ollama, ollama_gen, openai
 
     app.include_router(ollama.router)
+    app.include_router(blobs.router)
     app.include_router(ollama_gen.router)
     app.include_router(openai.router)
     app.include_router(llamacpp.router)

@@ -15,8 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localllm import __version__
-from localllm.errors import LocalLLMError, ModelNotFound
+from localllm.errors import CorruptStore, LocalLLMError, ModelNotFound
 from localllm.server.models import capabilities, details, info_for, rfc3339, tag_entry
+from localllm.server.security import cap_echo
 from localllm.server.wire import Body
 
 router = APIRouter()
@@ -99,7 +100,17 @@ async def delete(body: ModelRef, request: Request) -> Response:
 
 @router.post("/api/copy")
 async def copy(body: CopyBody, request: Request) -> Response:
-    request.app.state.store.cp(body.source, body.destination)
+    """Ollama's copy: an existing destination is replaced (its old file is kept while another name uses it)."""
+    state = request.app.state
+    store = state.store
+    source = store.require(body.source)  # 404 (400 for a bad name) before anything changes
+    try:
+        old = store.get(body.destination)
+    except CorruptStore:  # an unreadable destination is simply replaced
+        old = None
+    if old is not None and old.digest != source.digest and state.pool is not None:
+        state.pool.unload(old.name)  # a loaded engine under that name would keep serving the old file
+    await asyncio.to_thread(store.copy, body.source, body.destination)  # file locks: off the event loop
     return Response(status_code=200)
 
 
@@ -124,10 +135,37 @@ class _QueueProgress:
                        "total": total, "completed": completed})
 
 
+def _local_pull_refused() -> LocalLLMError:
+    """One answer for every path, so that a client cannot learn which files exist on the server."""
+    from localllm.errors import InvalidInput
+
+    return InvalidInput(
+        "/api/pull takes model names from the catalog or Hugging Face (hf.co/<owner>/<repo>[:QUANT]), "
+        "not files on the server's disk",
+        "to add a local .gguf over HTTP, upload it: POST /api/blobs/sha256:<its sha256> with the file as "
+        'the body, then POST /api/create {"model": "name", "files": {"model.gguf": "sha256:<its sha256>"}} '
+        "(ollama create does both); or run `localllm pull PATH` on the server, or set allow_local_pull = "
+        "true in its config.toml")
+
+
+def _is_local_path(ref: str) -> bool:
+    """What Catalog.resolve would take as a local file (checked before it looks at the disk)."""
+    from localllm.models.names import HF_PREFIXES
+
+    text = ref.strip().lower()
+    return text.endswith(".gguf") and not text.startswith(HF_PREFIXES)
+
+
 @router.post("/api/pull")
 async def pull(body: PullBody, request: Request) -> Response:
     state = request.app.state
-    source = state.catalog.resolve(body.ref())  # a bad name answers 4xx before any stream starts
+    ref = body.ref()
+    local_ok = bool(getattr(state.settings, "allow_local_pull", False))
+    if not local_ok and _is_local_path(ref):
+        raise _local_pull_refused()  # before resolve: it would say whether the file exists
+    source = state.catalog.resolve(ref)  # a bad name answers 4xx before any stream starts
+    if source.kind == "file" and not local_ok:
+        raise _local_pull_refused()
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     progress = _QueueProgress(loop, queue)
@@ -138,7 +176,7 @@ async def pull(body: PullBody, request: Request) -> Response:
             pull_mod.pull(source, state.store, progress)
             progress.status("success")
         except LocalLLMError as exc:
-            progress._put({"error": exc.message + (f" ({exc.hint})" if exc.hint else "")})
+            progress._put({"error": cap_echo(exc.message + (f" ({exc.hint})" if exc.hint else ""))})
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error line
             progress._put({"error": f"pull failed: {type(exc).__name__}"})
         finally:

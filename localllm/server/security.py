@@ -5,14 +5,21 @@
 - Requests carrying an Origin that is not a local page or a configured origin are refused outright.
   Leaving out CORS headers is not enough: a cross-site `text/plain` POST needs no preflight, so the
   browser would deliver it and only hide the answer.
-- Optional API key (Bearer), and a cap on request body size.
+- Optional API key (Bearer), and a cap on request body size. Blob uploads (`POST /api/blobs/<digest>`,
+  model-sized like Ollama's) are exempt from the cap: they stream to a file in the store, never into
+  memory, and the blob route checks the disk's free space instead.
 Pure ASGI, so streaming responses are untouched.
+
+Also here, for every error the server renders: `cap_echo` (client values quoted in a message are cut
+to ECHO_LIMIT characters) and `body_problem` (a JSON body that is not UTF-8 or is nested deeper than
+MAX_JSON_DEPTH is refused before it is parsed, saying where).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,8 +39,102 @@ def _hostname(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+# ---- what an error may echo ----------------------------------------------------------------------
+ECHO_LIMIT = 200  # characters of one client value (a model name, a header) quoted in an error
+MESSAGE_LIMIT = 2000  # characters of a whole error message
+_TAIL = "[)\\].,;:!?'\"]{0,3}"  # closing punctuation kept after a cut unquoted value
+_ECHOED = re.compile(rf"'([^'\n]{{{ECHO_LIMIT + 1},}})'|\"([^\"\n]{{{ECHO_LIMIT + 1},}})\""
+                     rf"|(\S{{{ECHO_LIMIT + 1},}}?)({_TAIL})(?!\S)")
+
+
+def _cut(match: re.Match[str]) -> str:
+    quoted, double, bare, tail = match.groups()
+    value = quoted if quoted is not None else double if double is not None else bare
+    kept = f"{value[:ECHO_LIMIT]}…"
+    if bare is not None:
+        return f"{kept} ({len(value)} characters){tail}"
+    q = "'" if quoted is not None else '"'
+    return f"{q}{kept}{q} ({len(value)} characters)"
+
+
+def cap_echo(message: str) -> str:
+    """`message` with every long client value cut to ECHO_LIMIT characters, an ellipsis and its length:
+    a quoted value ('…' or "…") or an unquoted run without spaces; then the message to MESSAGE_LIMIT.
+    Linear in the message's length (no pattern here can backtrack over a long value twice)."""
+    if len(message) <= ECHO_LIMIT:
+        return message
+    out = _ECHOED.sub(_cut, message)
+    if len(out) > MESSAGE_LIMIT:
+        out = f"{out[:MESSAGE_LIMIT]}… (message cut from {len(out)} characters)"
+    return out
+
+
+# ---- what a JSON body must be before it is parsed ------------------------------------------------
+MAX_JSON_DEPTH = 128  # arrays/objects inside one another; deeper bodies are refused before parsing
+# (above the 64 levels a JSON schema may have, so that its own check, which says more, is reachable)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)  # unterminated: to the end
+_BRACKETS = bytes.maketrans(b"{}", b"[]")  # depth does not depend on the kind of bracket
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_RUNS = re.compile(rb"\[+|\]+")
+_OPEN = ord("[")
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether arrays/objects (brackets outside strings) nest deeper than `limit`. Exact for valid JSON,
+    a fair answer for invalid. Never recursive, and mostly at C speed: a body that is not deep is
+    answered by a count; the worst 8 MB of brackets take well under a second."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(_BRACKETS, _NOT_BRACKET)
+    if brackets.count(b"[") <= limit:
+        return False
+    if b"[" * (limit + 1) in brackets:
+        return True  # the plain attack: a long run of openers
+    # Removing every innermost pair "[]" lowers the deepest nesting of balanced brackets by exactly one
+    # (the deepest opener is always followed by its closer), so `passes` counts levels peeled off. Peel
+    # while that shrinks the string well (C speed), then walk what is left run by run ("[[[", "]]").
+    passes = 0
+    while b"[]" in brackets and passes < limit:
+        shorter = brackets.replace(b"[]", b"")
+        peeled = len(brackets) - len(shorter)
+        brackets, passes = shorter, passes + 1
+        if peeled * 8 < len(brackets) + peeled:
+            break  # few leaves (long runs): fewer runs to walk than bytes to peel again
+    depth = 0
+    for run in _RUNS.finditer(brackets):
+        if brackets[run.start()] == _OPEN:
+            depth += run.end() - run.start()
+            if passes + depth > limit:
+                return True
+        else:
+            depth -= run.end() - run.start()
+    return False
+
+
+def body_problem(body: bytes) -> str | None:
+    """Why a JSON request body is refused before parsing, saying where; None when it may be parsed."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"Request body is not UTF-8 at byte {exc.start} (0x{body[exc.start]:02x}): "
+                "send JSON encoded as UTF-8")
+    if (nul := body.find(b"\x00")) >= 0:  # never valid JSON; leading NULs would make json.loads guess UTF-16
+        return (f"Request body has a NUL byte at byte {nul}: JSON is UTF-8 text, with no raw control "
+                "characters (UTF-16 and UTF-32 bodies are not read)")
+    if json_depth_exceeds(body):
+        return (f"Request body has JSON nested deeper than {MAX_JSON_DEPTH} levels (arrays and objects "
+                "inside one another); flatten it")
+    return None
+
+
+def is_blob_upload(method: str, path: str) -> bool:
+    """`POST /api/blobs/<digest>`: a model-sized body streamed into the store (Ollama's upload)."""
+    return method == "POST" and path.startswith("/api/blobs/") and "/" not in path[len("/api/blobs/"):]
+
+
 def error_body(path: str, status: int, message: str) -> bytes:
-    """The error shape of the dialect the path belongs to."""
+    """The error shape of the dialect the path belongs to; client values in `message` are capped."""
+    message = cap_echo(message)
     if path.startswith("/v1/"):
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "invalid_request_error", 503: "server_error"}.get(status, "invalid_request_error")
@@ -89,6 +190,9 @@ class GuardMiddleware:
                 await self._deny(send, path, 401, "Missing or wrong API key: send 'Authorization: Bearer <key>' "
                                  "(the key is LOCALLLM_API_KEY on the server).")
                 return
+        if is_blob_upload(scope["method"], path):  # no cap: the route streams it to disk and checks space
+            await self.app(scope, receive, self._with_cors(send, origin))
+            return
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             await self._deny(send, path, 413, f"Request body of {length} bytes is over the limit of "
