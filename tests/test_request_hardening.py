@@ -168,3 +168,67 @@ def test_parallel_requests_that_fill_the_cache_say_so(small: Server) -> None:
         if short:
             break
     assert short, "the two requests never overlapped: the cache did not overflow"
+
+
+# ---- found in review ---------------------------------------------------------------------------------
+def test_a_carriage_return_cannot_hide_nesting_from_the_grammar_check() -> None:
+    """llama.cpp ends a comment at \\r as well as \\n: text after a \\r in a comment is grammar, so the
+    check must count it (this one passed the check and then crashed the server)."""
+    hidden = 'root ::= "a" x # c\rx ::= ' + "(" * 50000 + '"a"' + ")" * 50000
+    with pytest.raises(InvalidInput, match="nests groups 50000 deep"):
+        check_grammar(hidden, "grammar")
+
+
+def crafted_gguf(key: str, vtype: int, payload: bytes) -> bytes:
+    """A GGUF v3 header with one metadata key and no tensors (type 8 = string, 9 = array)."""
+    import struct
+
+    k = key.encode()
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(k)) + k + struct.pack("<I", vtype) + payload
+
+
+def test_crafted_gguf_headers_are_a_400_not_a_500(srv: Server, tmp_path: Any) -> None:
+    import hashlib
+    import struct
+
+    from localllm.errors import NotGGUF
+    from localllm.models.gguf_meta import read_gguf
+
+    odd_alignment = crafted_gguf("general.alignment", 8, struct.pack("<Q", 3) + b"abc")
+    nested = struct.pack("<IQ", 9, 1)  # an array of one array of one array ...
+    for _ in range(3000):
+        nested = struct.pack("<IQ", 9, 1) + nested
+    deep_arrays = crafted_gguf("x.y", 9, nested[:-12] + struct.pack("<IQ", 4, 0))
+    for data in (odd_alignment, deep_arrays):
+        path = tmp_path / "crafted.gguf"
+        path.write_bytes(data + b"\0" * 64)
+        with pytest.raises(NotGGUF):
+            read_gguf(path)
+        digest = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+        r = httpx.post(f"{srv.url}/api/blobs/{digest}", content=path.read_bytes(), timeout=30)
+        assert r.status_code in (200, 201), r.text
+        r = post(srv, "/api/create", {"model": "crafted:1", "files": {"crafted.gguf": digest}, "stream": False})
+        assert r.status_code == 400 and "GGUF" in r.json()["error"], r.text
+    still_serves(srv)
+
+
+def test_the_server_sweeps_what_a_killed_writer_left_when_it_starts(tmp_path: Any) -> None:
+    import subprocess
+
+    from localllm.models import files
+
+    proc = subprocess.Popen(["sleep", "30"])
+    stamp = f"w{proc.pid}-{files._start_of(proc.pid)}-{files._host()}"  # noqa: SLF001 - the rule's own stamp
+    proc.kill()
+    proc.wait()
+    blobs = tmp_path / "models" / "blobs"
+    blobs.mkdir(parents=True)
+    left = blobs / f".upload-abc.{stamp}.x1.tmp"
+    left.write_bytes(b"\0" * 4096)
+    info, server, thread = start_server(tmp_path)
+    try:
+        assert not left.exists()
+        still_serves(info)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)

@@ -47,34 +47,47 @@ def hex_digest(digest: str) -> str:
 
 # --- the temp-file rule -----------------------------------------------------------------------
 # .<label>.w<pid>-<start>-<host>.<random>.tmp ; start: the process's start time in 1/100 s (psutil);
-# host: 8 hex digits of the host name (a store on a shared disk: another machine's pids are not ours)
+# host: 8 hex digits of the host name and pid namespace (a store on a shared disk or a volume shared
+# with a container: another machine's or namespace's pids are not ours)
 _TEMP = re.compile(r"^\.(?P<label>.*)\.w(?P<pid>\d+)-(?P<start>\d+)-(?P<host>[0-9a-f]{8})"
                    r"\.(?P<rand>[A-Za-z0-9_]+)\.tmp$")
 # what versions before the rule left behind: unstamped, so only an old one (no writer for an hour) goes
 _LEGACY = re.compile(r"^\.(?:sha256-[0-9a-f]{64}\..+\.tmp|quantize-.+\.gguf|.+\.part|.+\.json\..+\.tmp)$")
 LEGACY_AGE = 3600.0
-_START_SLACK = 200  # 2 s: /proc/stat's boot time can move by a second between readings
+_START_SLACK = 200  # 2 s: rounding (and psutil's wall-clock start times off Linux)
 
 
 def _start_of(pid: int) -> int | None:
-    """The start time of process `pid` in 1/100 s, None if there is no such (running) process."""
+    """When process `pid` started, in 1/100 s, None if there is no such (running) process.
+
+    On Linux: clock ticks since boot (/proc/<pid>/stat field 22), which a wall-clock step (NTP, a VM
+    resumed) does not move; elsewhere psutil's create_time, which is wall-clock based."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped: it writes nothing more
             return None
-        return round(proc.create_time() * 100)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(fields[19]) * 100 // (os.sysconf("SC_CLK_TCK") or 100)
+        except (OSError, IndexError, ValueError):
+            return round(proc.create_time() * 100)
     except psutil.NoSuchProcess:
         return None
 
 
 @functools.lru_cache(maxsize=1)
 def _host() -> str:
+    """The host and pid namespace (two containers sharing a hostname have different pids)."""
     import socket
     import zlib
 
-    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{zlib.crc32((socket.gethostname() + ns).encode()):08x}"
 
 
 @functools.lru_cache(maxsize=4)

@@ -132,32 +132,46 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if size < 24:
             raise NotGGUF(f"{p.name} is not a GGUF file ({size} bytes)", "give a .gguf model file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != GGUF_MAGIC:
-                raise NotGGUF(f"{p.name} is not a GGUF file (magic {bytes(buf[:4])!r})",
-                              "localllm runs GGUF models; convert others with llama.cpp's convert_hf_to_gguf.py")
-            cur = _Cursor(buf, p)
-            cur.pos = 4
-            version = cur.take("<I")
-            if version not in (2, 3):
-                raise NotGGUF(f"{p.name} has GGUF version {version}; versions 2 and 3 are supported")
-            n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
-            if n_tensors > 1_000_000 or n_kv > 1_000_000:
-                raise NotGGUF(f"{p.name} has a corrupt header ({n_tensors} tensors, {n_kv} keys)")
-            meta: dict[str, Any] = {}
-            lengths: dict[str, int] = {}
-            for _ in range(n_kv):
-                key = cur.string()
-                meta[key] = cur.value(cur.take("<I"), key, lengths)
-            tensors = []
-            for _ in range(n_tensors):
-                name = cur.string()
-                n_dims = cur.take("<I")
-                if n_dims > 8:
-                    raise NotGGUF(f"{p.name}: tensor {name} has {n_dims} dimensions; the file is corrupt")
-                shape = tuple(cur.take("<Q") for _ in range(n_dims))
-                tensors.append(TensorInfo(name, shape, cur.take("<I"), cur.take("<Q")))
-            align = int(meta.get("general.alignment", 32)) or 32
-            data_offset = (cur.pos + align - 1) // align * align
+            return _parse(p, buf, size)
+
+
+def _parse(p: Path, buf: Any, size: int) -> GGUFFile:
+    try:
+        return _parse_header(p, buf, size)
+    except NotGGUF:
+        raise
+    except (RecursionError, ValueError, TypeError, OverflowError, IndexError, struct.error) as exc:
+        raise NotGGUF(f"{p.name} has a malformed header ({type(exc).__name__}: {str(exc)[:120]})",
+                      "the file is corrupt or was not written by a GGUF writer") from None
+
+
+def _parse_header(p: Path, buf: Any, size: int) -> GGUFFile:
+    if buf[:4] != GGUF_MAGIC:
+        raise NotGGUF(f"{p.name} is not a GGUF file (magic {bytes(buf[:4])!r})",
+                      "localllm runs GGUF models; convert others with llama.cpp's convert_hf_to_gguf.py")
+    cur = _Cursor(buf, p)
+    cur.pos = 4
+    version = cur.take("<I")
+    if version not in (2, 3):
+        raise NotGGUF(f"{p.name} has GGUF version {version}; versions 2 and 3 are supported")
+    n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+    if n_tensors > 1_000_000 or n_kv > 1_000_000:
+        raise NotGGUF(f"{p.name} has a corrupt header ({n_tensors} tensors, {n_kv} keys)")
+    meta: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.take("<I"), key, lengths)
+    tensors = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.take("<I")
+        if n_dims > 8:
+            raise NotGGUF(f"{p.name}: tensor {name} has {n_dims} dimensions; the file is corrupt")
+        shape = tuple(cur.take("<Q") for _ in range(n_dims))
+        tensors.append(TensorInfo(name, shape, cur.take("<I"), cur.take("<Q")))
+    align = int(meta.get("general.alignment", 32)) or 32
+    data_offset = (cur.pos + align - 1) // align * align
     gf = GGUFFile(p, version, meta, lengths, tensors, data_offset, size)
     if tensors:
         end = data_offset + max(t.offset + _safe_bytes(t) for t in tensors)
@@ -235,7 +249,7 @@ def quant_name(gf: GGUFFile) -> str:
     if ftype is not None:
         try:
             return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").replace("ALL_", "")
-        except ValueError:
+        except (ValueError, TypeError, OverflowError):  # a crafted or unknown file type: count tensor types
             pass
     counts: dict[str, int] = {}
     for t in gf.tensors:

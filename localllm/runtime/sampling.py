@@ -92,8 +92,8 @@ def check_grammar(gbnf: str, what: str) -> str:
     i, n = 0, len(gbnf)
     while i < n:
         c = gbnf[i]
-        if c == "#":  # a comment, to the end of the line
-            while i < n and gbnf[i] != "\n":
+        if c == "#":  # a comment, to the end of the line: llama.cpp ends it at \r as well as \n
+            while i < n and gbnf[i] not in "\r\n":
                 i += 1
             continue
         if c in "\"[":  # a literal or a character class: brackets inside do not nest

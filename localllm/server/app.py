@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -149,6 +150,10 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:  # what a killed server or command left in the store (the store's temp-file rule)
+            await run_in_threadpool(app.state.store.sweep_temporaries)
+        except Exception:  # noqa: BLE001 - a store that cannot be swept still serves
+            logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
         yield
         for embedder in app.state.embedders.values():
             embedder.close()

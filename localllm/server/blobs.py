@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from localllm.errors import DiskSpaceError, InvalidInput, InvalidModelName, NotGGUF, StoreError
+from localllm.errors import CorruptStore, DiskSpaceError, InvalidInput, InvalidModelName, NotGGUF, StoreError
 from localllm.models.files import temp_path
 from localllm.models.names import HF_PREFIXES, normalize
 from localllm.server.wire import Body
@@ -127,6 +127,7 @@ async def blob_upload(digest: str, request: Request) -> Response:
             return Response(status_code=200)
         length = request.headers.get("content-length", "")
         need = int(length) if length.isdigit() else 0
+        await run_in_threadpool(store.sweep_temporaries)  # an upload killed earlier must not hold its space
         if await run_in_threadpool(_free, store.blobs) < need + SPACE_MARGIN:
             raise _no_space(need)
         # a stamped temporary (the store's temp-file rule): if this process dies, the next sweep removes it
@@ -197,11 +198,20 @@ def _created(state: Any, body: CreateBody) -> tuple[str, str]:
     except NotGGUF as exc:  # said of the client's file name, not of the store's path
         reason = exc.message.replace(str(path), filename).replace(path.name, filename)
         raise NotGGUF(f"{filename!r} is not a usable GGUF model: {reason}", exc.hint) from None
-    old = store.get(name)
-    if old is not None and old.digest != digest and state.pool is not None:
-        state.pool.unload(name)  # the name now means another file
-    store.write_manifest(Manifest(name=name, digest=digest, size=path.stat().st_size,
-                                  source={"kind": "blob", "filename": filename}, quant=quant))
+    except Exception as exc:  # noqa: BLE001 - a crafted header: the client's file is what is wrong
+        raise NotGGUF(f"{filename!r} is not a usable GGUF model: its header is malformed ({type(exc).__name__})",
+                      "upload a GGUF file written by llama.cpp or the gguf package") from None
+    with store.writer_lock(digest):  # a prune or rm of the blob waits until the name points at it
+        if not store.has_blob(digest):
+            raise InvalidInput(f"blob {digest} for {filename!r} is not on the server", "upload it again")
+        try:
+            old = store.get(name)
+        except CorruptStore:  # an unreadable manifest under that name: the new one replaces it
+            old = None
+        if old is not None and old.digest != digest and state.pool is not None:
+            state.pool.unload(name)  # the name now means another file
+        store.write_manifest(Manifest(name=name, digest=digest, size=path.stat().st_size,
+                                      source={"kind": "blob", "filename": filename}, quant=quant))
     return name, digest
 
 

@@ -63,6 +63,8 @@ def cap_echo(message: str) -> str:
     Linear in the message's length (no pattern here can backtrack over a long value twice)."""
     if len(message) <= ECHO_LIMIT:
         return message
+    if len(message) > 64 * MESSAGE_LIMIT:  # bound the work on a huge echoed value before looking closer
+        message = f"{message[:64 * MESSAGE_LIMIT]}… ({len(message)} characters)"
     out = _ECHOED.sub(_cut, message)
     if len(out) > MESSAGE_LIMIT:
         out = f"{out[:MESSAGE_LIMIT]}… (message cut from {len(out)} characters)"
