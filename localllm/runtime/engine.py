@@ -5,9 +5,8 @@ construction happen in the caller's thread, so bad requests raise at once (Inval
 ContextOverflow). The scheduler thread owns the context; each step it admits waiting requests
 into free slots (longest shared prefix first), builds one batch — the next token of every
 generating slot plus chunked prefill within n_batch — decodes once, samples each slot from its
-own batch row and emits chunks. A speculating slot adds its drafts to the same batch; the
-target's own sampler verifies them (runtime/speculative.py).
-"""
+own batch row and emits chunks. A speculating slot adds its drafts to the same batch, and the
+target's own sampler verifies them (runtime/speculative.py, runtime/drafting.py)."""
 
 from __future__ import annotations
 
