@@ -85,6 +85,20 @@ async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
         lease.release()
 
 
+def default_model(state: Any, model: str | None) -> str:
+    """The model a llama.cpp-style request means."""
+    if model:
+        return model
+    loaded = state.pool.loaded() if state.pool is not None else []
+    if loaded:
+        return str(loaded[-1]["name"])
+    installed = state.store.list()
+    if len(installed) == 1:
+        return str(installed[0].name)
+    raise InvalidInput("no model given and none is loaded",
+                       "add \"model\": \"name:tag\" to the request, or load one first (e.g. via /api/generate)")
+
+
 def max_waiting(settings: Any) -> int:
     value = getattr(settings, "extra", {}).get("max_waiting", DEFAULT_MAX_WAITING)
     return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_WAITING

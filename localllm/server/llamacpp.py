@@ -22,7 +22,7 @@ from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput, LocalLLMError
 from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
-from localllm.server.lifecycle import Generation, held
+from localllm.server.lifecycle import Generation, default_model, held
 from localllm.server.wire import Body
 
 router = APIRouter()
@@ -74,20 +74,6 @@ class TokenizeBody(Body):
 class DetokenizeBody(Body):
     model: str | None = None
     tokens: list[int]
-
-
-def default_model(state: Any, model: str | None) -> str:
-    """The model a llama.cpp-style request means."""
-    if model:
-        return model
-    loaded = state.pool.loaded() if state.pool is not None else []
-    if loaded:
-        return str(loaded[-1]["name"])
-    installed = state.store.list()
-    if len(installed) == 1:
-        return str(installed[0].name)
-    raise InvalidInput("no model given and none is loaded",
-                       "add \"model\": \"name:tag\" to the request, or load one first (e.g. via /api/generate)")
 
 
 def extra_chunks(value: Any) -> list[tuple[str, str]]:
