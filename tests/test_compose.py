@@ -128,3 +128,17 @@ def test_one_turn_prompt_under_truncate_history_shifts(engine: Any) -> None:
     assert req.truncate is None
     res = engine.submit(req).result()
     assert res.usage.completion_tokens == 4 and res.notices and res.notices[0].n_dropped > 0
+
+
+def test_a_final_assistant_message_is_continued_not_answered(engine: Any) -> None:
+    """Assistant prefill, as llama-server and Ollama do it: the model continues the last assistant message
+    (the turns before it get the assistant's generation prompt, then its text follows)."""
+    fmt = builtin_format("chatml", engine.model)
+    turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "json foo"}]
+    req = RequestBuilder(fmt, engine).chat(turns, Options())
+    assert req.prompt == engine.tokenize("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\njson foo")
+    parts = [{"type": "text", "text": "json "}, {"type": "text", "text": "foo"}]  # OpenAI content parts
+    assert RequestBuilder(fmt, engine).chat([turns[0], {"role": "assistant", "content": parts}], Options()).prompt \
+        == req.prompt
+    with pytest.raises(InvalidInput, match="Cannot have 2 or more assistant messages at the end of the list"):
+        RequestBuilder(fmt, engine).chat([*turns, {"role": "assistant", "content": "bar"}], Options())

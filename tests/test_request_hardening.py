@@ -232,3 +232,14 @@ def test_the_server_sweeps_what_a_killed_writer_left_when_it_starts(tmp_path: An
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+
+
+def test_two_final_assistant_messages_are_a_400_in_every_dialect(srv: Server) -> None:
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+             {"role": "assistant", "content": "b"}]
+    r = post(srv, "/v1/chat/completions", {"model": TINY, "messages": turns, "max_tokens": 2})
+    assert r.status_code == 400 and "2 or more assistant messages" in r.json()["error"]["message"]
+    r = post(srv, "/api/chat", {"model": TINY, "messages": turns, "stream": False})
+    assert r.status_code == 400 and "2 or more assistant messages" in r.json()["error"]
+    r = post(srv, "/v1/chat/completions", {"model": TINY, "messages": turns[:2], "max_tokens": 2})
+    assert r.status_code == 200  # one final assistant message: continued

@@ -32,14 +32,32 @@ class ChatFormat:
     eos_token: str = ""
 
     def render(self, messages: list[dict[str, Any]], **extra: Any) -> templates.ChatParts:
-        """The prompt text and its system prefix (what a context shift keeps)."""
+        """The prompt text and its system prefix (what a context shift keeps).
+
+        A conversation that ends with an assistant message is a prefill, as in llama-server and Ollama:
+        the model continues that message instead of answering it (the turns before it are rendered with
+        the assistant's generation prompt, then its text follows)."""
         if self.template is None:
             return templates.ChatParts("\n\n".join(str(m.get("content") or "") for m in messages), "")
+        if len(messages) > 1 and messages[-1].get("role") == "assistant":
+            if messages[-2].get("role") == "assistant":
+                raise InvalidInput("Cannot have 2 or more assistant messages at the end of the list",
+                                   "merge them into one, or end the conversation with a user message")
+            head = templates.render_chat_parts(self.template, messages[:-1], add_generation_prompt=True,
+                                               bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            return templates.ChatParts(head.text + _text_of(messages[-1].get("content")), head.system_prefix)
         return templates.render_chat_parts(self.template, messages, add_generation_prompt=True,
                                            bos_token=self.bos_token, eos_token=self.eos_token, **extra)
 
     def render_text(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return self.render(messages, **extra).text
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
 
 
 def raw_format() -> ChatFormat:
