@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from localllm.errors import InvalidInput, ModelLoadError, Overloaded
+from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError, ModelNotFound, Overloaded
 from localllm.runtime.stream import achunks
 from localllm.runtime.types import Chunk, Request, Result
 
@@ -85,10 +85,30 @@ async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
         lease.release()
 
 
-def default_model(state: Any, model: str | None) -> str:
-    """The model a llama.cpp-style request means."""
+def default_model(state: Any, model: str | None, *, unknown: bool = False) -> str:
+    """The model a llama.cpp-style request means: the given name, else the most recently loaded model,
+    else the only installed one. With `unknown=True` (the OpenAI door: llama-server serves its model
+    whatever the field says) a valid name that is not installed means the same, when that choice is
+    clear: exactly one model loaded, else exactly one installed; otherwise a 404 that names the model
+    and lists what is installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`)."""
     if model:
-        return model
+        if not unknown:
+            return model
+        try:
+            man = state.store.get(model)
+        except LocalLLMError:  # not a model name at all (`../x`), a bad manifest: the load says it, as before
+            return model
+        if man is not None:
+            return str(man.name)
+        loaded = state.pool.loaded() if state.pool is not None else []
+        if len(loaded) == 1:
+            return str(loaded[0]["name"])
+        installed = state.store.list()
+        if len(installed) == 1 and not loaded:
+            return str(installed[0].name)
+        names = ", ".join(m.name for m in installed) or "none"
+        raise ModelNotFound(f"model {model!r} is not installed and the server has no single model to answer "
+                            f"in its place (installed: {names})", "name one of the installed models")
     loaded = state.pool.loaded() if state.pool is not None else []
     if loaded:
         return str(loaded[-1]["name"])

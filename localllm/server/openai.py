@@ -1,9 +1,15 @@
-"""OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings (SSE, `[DONE]`).
+"""OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings (SSE, `[DONE]`), and
+/chat/completions, /models, /embeddings without the prefix (a client whose base URL has no /v1). Bare
+/completions stays llama-server's own /completion (llamacpp.py), as in llama-server.
 
 Wire models (pydantic) → a transport-free handler building a runtime Request → a thin router that
 renders the Chunk stream as a JSON body or Server-Sent Events. Extra fields are accepted the way
 llama-server accepts them: top_k, min_p, repeat_penalty, and the context size per request as
-`n_ctx` or `options.num_ctx` (reloads the model with that context, like Ollama's num_ctx).
+`n_ctx` or `options.num_ctx` (reloads the model with that context, like Ollama's num_ctx), and a GBNF
+`grammar`. Like llama-server, a request that names no model, or a model that is not installed, is
+answered by the server's model when that choice is clear (`lifecycle.default_model`); the response's
+`model` says which one answered. Chat and completion responses carry llama-server's `timings` (in a
+stream: on the last chunk before [DONE]).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
-from localllm.server.lifecycle import Generation, Lease, finish_reason
+from localllm.server.lifecycle import Generation, Lease, default_model, finish_reason
 from localllm.server.wire import Body, notice_dict, parse_tool_calls
 
 router = APIRouter()
@@ -36,7 +42,7 @@ class ChatMessage(Body):
 
 
 class _Common(Body):
-    model: str
+    model: str | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = None
@@ -54,6 +60,7 @@ class _Common(Body):
     options: dict[str, Any] | None = None
     context_policy: str | None = None
     keep_alive: str | int | float | None = None
+    grammar: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -74,7 +81,7 @@ class CompletionRequest(_Common):
 
 
 class EmbeddingRequest(Body):
-    model: str
+    model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
 
 
@@ -93,7 +100,8 @@ def _wire_options(body: _Common, max_tokens: Any) -> Options:
         if direct is not None:
             sampling[key] = direct
     return Options(sampling=sampling, max_tokens=max_tokens, stop=body.stop,
-                   format=getattr(body, "response_format", None), context_policy=body.context_policy,
+                   format=getattr(body, "response_format", None), grammar=body.grammar,
+                   context_policy=body.context_policy,
                    draft=body.model_extra or {})
 
 
@@ -139,6 +147,21 @@ def _usage(u: Any) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
+def _timings(t: Any) -> dict[str, Any]:
+    """llama-server's `timings`: prompt_n prompt tokens prefilled, cache_n reused from the KV cache,
+    predicted_n generated; milliseconds, per token and per second (prompt_n + cache_n + predicted_n
+    tokens are in the context)."""
+    prompt_n = max(t.prompt_tokens - t.cached_tokens, 0)
+    out = {"cache_n": t.cached_tokens, "prompt_n": prompt_n, "prompt_ms": t.prompt_ms,
+           "prompt_per_token_ms": t.prompt_ms / prompt_n if prompt_n else 0.0, "prompt_per_second": t.prompt_per_s,
+           "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
+           "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
+           "predicted_per_second": t.decode_per_s}
+    if t.draft_n:
+        out["draft_n"], out["draft_n_accepted"] = t.draft_n, t.draft_accepted
+    return out
+
+
 def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[str, Any]]:
     out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
@@ -164,8 +187,12 @@ async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_us
                                              "logprobs": None, "finish_reason": None}]})
         elif echo:
             yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
-        usage, held_text, notices = None, "", []
+        usage, timings, held_text, notices = None, None, "", []
         async for chunk in g.chunks():
+            if chunk.timings is not None:
+                timings = _timings(chunk.timings)
+            # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
+            last = {"timings": timings} if timings is not None and not include_usage else {}
             if chunk.notice is not None:  # what the engine did to the context, as it happens
                 notices.append(notice_dict(chunk.notice))
                 yield _sse({**base, "choices": [_empty_choice(chat)], "notice": notices[-1]})
@@ -182,16 +209,17 @@ async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_us
                         {"content": content}
                     yield _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                                      "finish_reason": "tool_calls" if calls else done}],
-                                **({"notices": notices} if notices else {})})
+                                **({"notices": notices} if notices else {}), **last})
             elif chunk.text or done:
                 piece = {"content": chunk.text} if chunk.text else {}
                 choice = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": done} if chat else
                           {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": done})
-                yield _sse({**base, "choices": [choice], **({"notices": notices} if done and notices else {})})
+                yield _sse({**base, "choices": [choice], **({"notices": notices} if done and notices else {}),
+                            **(last if done else {})})
             if chunk.usage is not None:
                 usage = chunk.usage
         if include_usage and usage is not None:
-            yield _sse({**base, "choices": [], "usage": _usage(usage)})
+            yield _sse({**base, "choices": [], "usage": _usage(usage), **({"timings": timings} if timings else {})})
     except Exception as exc:  # this client's stream only; the server log has the details
         logging.getLogger("localllm.server").exception("stream failed")
         yield _sse({"error": {"message": f"generation failed ({type(exc).__name__})", "type": "server_error",
@@ -207,11 +235,12 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     if chat and not body.messages:  # type: ignore[attr-defined]
         raise InvalidInput("messages must not be empty")
     build = _chat_request if chat else _completion_request
-    g = await Generation.start(state, body.model, lambda lease: build(state, body, lease),  # type: ignore[arg-type]
+    name = default_model(state, body.model, unknown=True)
+    g = await Generation.start(state, name, lambda lease: build(state, body, lease),  # type: ignore[arg-type]
                                options=_options(body), keep_alive=body.keep_alive)
     prefix = "chatcmpl-" if chat else "cmpl-"
     base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": body.model}
+            "created": int(time.time()), "model": g.name}
     echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
@@ -229,10 +258,10 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
                 reason = "tool_calls"
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage),
-                             **_notices(res)})
+                             "timings": _timings(res.timings), **_notices(res)})
     choice = {"index": 0, "text": echo + res.text, "logprobs": None, "finish_reason": reason}
     return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage),
-                         **_notices(res)})
+                         "timings": _timings(res.timings), **_notices(res)})
 
 
 def _notices(res: Any) -> dict[str, Any]:
@@ -242,6 +271,7 @@ def _notices(res: Any) -> dict[str, Any]:
 
 # ---- router ------------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _run(request, body, chat=True)
 
@@ -252,6 +282,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 @router.get("/v1/models")
+@router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     data = [{"id": m.name, "object": "model", "created": int(m.created), "owned_by": "localllm"}
             for m in request.app.state.store.list()]
@@ -259,16 +290,19 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/models/{name:path}")
+@router.get("/models/{name:path}")
 async def model(name: str, request: Request) -> dict[str, Any]:
     man = request.app.state.store.require(name)
     return {"id": man.name, "object": "model", "created": int(man.created), "owned_by": "localllm"}
 
 
 @router.post("/v1/embeddings")
+@router.post("/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = request.app.state
     texts = body.input if isinstance(body.input, list) else [body.input]
-    vectors, n_tokens = await embed_texts(state, body.model, texts)
+    name = default_model(state, body.model, unknown=True)
+    vectors, n_tokens = await embed_texts(state, name, texts)
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": body.model,
+    return JSONResponse({"object": "list", "data": data, "model": name,
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

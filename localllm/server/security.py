@@ -5,9 +5,10 @@
 - Requests carrying an Origin that is not a local page or a configured origin are refused outright.
   Leaving out CORS headers is not enough: a cross-site `text/plain` POST needs no preflight, so the
   browser would deliver it and only hide the answer.
-- Optional API key (Bearer), and a cap on request body size. Blob uploads (`POST /api/blobs/<digest>`,
-  model-sized like Ollama's) are exempt from the cap: they stream to a file in the store, never into
-  memory, and the blob route checks the disk's free space instead.
+- Optional API key (`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as llama-server takes it), and a
+  cap on request body size. Blob uploads (`POST /api/blobs/<digest>`, model-sized like Ollama's) are
+  exempt from the cap: they stream to a file in the store, never into memory, and the blob route
+  checks the disk's free space instead.
 Pure ASGI, so streaming responses are untouched.
 
 Also here, for every error the server renders: `cap_echo` (client values quoted in a message are cut
@@ -134,16 +135,24 @@ def is_blob_upload(method: str, path: str) -> bool:
     return method == "POST" and path.startswith("/api/blobs/") and "/" not in path[len("/api/blobs/"):]
 
 
+OPENAI_BARE = ("/chat/completions", "/embeddings", "/models")  # OpenAI paths without /v1 (openai.py)
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith(("/v1/", "/models/")) or path in OPENAI_BARE
+
+
 def error_body(path: str, status: int, message: str) -> bytes:
     """The error shape of the dialect the path belongs to; client values in `message` are capped."""
     message = cap_echo(message)
-    if path.startswith("/v1/"):
+    if is_openai_path(path):
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "invalid_request_error", 503: "server_error"}.get(status, "invalid_request_error")
         return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
     if path.startswith("/api/") or path == "/":
         return json.dumps({"error": message}).encode()
-    return json.dumps({"error": {"code": status, "message": message, "type": "invalid_request_error"}}).encode()
+    kind = "authentication_error" if status == 401 else "invalid_request_error"  # llama-server's words
+    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
 
 class GuardMiddleware:
@@ -162,6 +171,16 @@ class GuardMiddleware:
             return True
         parts = urlsplit(origin)
         return parts.scheme in ("http", "https") and (parts.hostname or "") in {"localhost", "127.0.0.1", "::1"}
+
+    def key_ok(self, headers: dict[str, str]) -> bool:
+        """`Authorization: Bearer KEY` or `X-Api-Key: KEY` (llama-server and Anthropic clients send that)."""
+        auth = headers.get("authorization", "")
+        bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = (self.api_key or "").encode()
+        # both compared, always: the time taken says nothing about which header was right
+        ok_bearer = hmac.compare_digest(bearer.encode("latin-1"), key)
+        ok_header = hmac.compare_digest(headers.get("x-api-key", "").strip().encode("latin-1"), key)
+        return ok_bearer or ok_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -185,13 +204,10 @@ class GuardMiddleware:
         if scope["method"] == "OPTIONS" and origin:
             await self._preflight(send, origin, headers)
             return
-        if self.api_key and path not in OPEN_PATHS:
-            auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                await self._deny(send, path, 401, "Missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                 "(the key is LOCALLLM_API_KEY on the server).")
-                return
+        if self.api_key and path not in OPEN_PATHS and not self.key_ok(headers):
+            await self._deny(send, path, 401, "Missing or wrong API key: send 'Authorization: Bearer <key>' "
+                             "or 'X-Api-Key: <key>' (the key is LOCALLLM_API_KEY on the server).")
+            return
         if is_blob_upload(scope["method"], path):  # no cap: the route streams it to disk and checks space
             await self.app(scope, receive, self._with_cors(send, origin))
             return
@@ -235,7 +251,7 @@ class GuardMiddleware:
             (b"access-control-allow-origin", origin.encode("latin-1")),
             (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
             (b"access-control-allow-headers",
-             headers.get("access-control-request-headers", "content-type, authorization").encode("latin-1")),
+             headers.get("access-control-request-headers", "content-type, authorization, x-api-key").encode("latin-1")),
             (b"access-control-max-age", b"600"), (b"vary", b"Origin")]})
         await send({"type": "http.response.body", "body": b""})
 
