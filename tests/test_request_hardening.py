@@ -243,3 +243,12 @@ def test_two_final_assistant_messages_are_a_400_in_every_dialect(srv: Server) ->
     assert r.status_code == 400 and "2 or more assistant messages" in r.json()["error"]
     r = post(srv, "/v1/chat/completions", {"model": TINY, "messages": turns[:2], "max_tokens": 2})
     assert r.status_code == 200  # one final assistant message: continued
+
+
+def test_a_backwards_repetition_is_a_400_not_a_hang(srv: Server) -> None:
+    """`{2,1}`: llama.cpp computes max - min as an unsigned count and loops ~2^64 times (found in review)."""
+    with pytest.raises(InvalidInput, match="needs m <= n"):
+        check_grammar('root ::= "a"{2,1}', "grammar")
+    assert check_grammar('root ::= "{2,1}" "a"{0,} "b"{,3}', "grammar")  # literals and open counts are fine
+    r = post(srv, "/completion", {"model": TINY, "prompt": "x", "grammar": 'root ::= "a"{2,1}', "n_predict": 2})
+    assert r.status_code == 400 and "repetition" in r.json()["error"]["message"]

@@ -45,6 +45,7 @@ def validate(req: Request) -> None:
 MAX_GRAMMAR_BYTES = 128 * 1024
 MAX_GRAMMAR_DEPTH = 128  # nested ( ) groups
 MAX_GRAMMAR_RULES = 4096
+MAX_GRAMMAR_REPEAT = 100_000  # {m,n}: a sanity bound (the counts themselves are cheap)
 MAX_SCHEMA_DEPTH = 64  # nested objects/arrays in a JSON schema
 
 
@@ -108,6 +109,13 @@ def check_grammar(gbnf: str, what: str) -> str:
             depth -= 1
         elif c == ":" and gbnf.startswith("::=", i):
             rules += 1
+        elif c == "{":  # a repetition {m}, {m,}, {m,n}: llama.cpp loops ~2^64 times on n < m
+            close = gbnf.find("}", i)
+            low, _, high = gbnf[i + 1:close if close > 0 else n].partition(",")
+            counts = [int(x) for x in (low.strip(), high.strip()) if x.strip().isdigit()]
+            if any(x > MAX_GRAMMAR_REPEAT for x in counts) or (len(counts) == 2 and counts[1] < counts[0]):
+                raise InvalidInput(f"{what} has the repetition {gbnf[i:close + 1]!r}; counts must be at most "
+                                   f"{MAX_GRAMMAR_REPEAT} and {{m,n}} needs m <= n")
         i += 1
     if deepest > MAX_GRAMMAR_DEPTH:
         raise InvalidInput(f"{what} nests groups {deepest} deep; at most {MAX_GRAMMAR_DEPTH} are accepted")

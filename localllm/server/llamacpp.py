@@ -1,5 +1,11 @@
 """llama.cpp server dialect for editor plugins: /infill (llama.vim, llama.vscode), /completion, /tokenize,
-/detokenize, /health, /props, /slots, /metrics.
+/detokenize, /embedding, /apply-template, /health (/v1/health), /props, /slots, /metrics.
+
+Field names and shapes follow llama-server (tools/server/README.md, server-task.cpp): a streamed
+/completion sends each piece once (`content` + its `tokens`), and the final `"stop": true` event carries
+no text, only the settings, timings and counts; `tokens` of a non-streamed answer is filled only when
+`return_tokens` is true. A prompt over the context under the `error` policy is llama-server's
+`exceed_context_size_error` (with `n_prompt_tokens` and `n_ctx`).
 
 llama-server serves one model, so these requests usually name none: the `model` field is used when
 given, else the model loaded most recently, else the only installed one. /infill builds the prompt
@@ -17,16 +23,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from localllm.compose.requests import PARAM_KEYS, Options
-from localllm.errors import InvalidInput, LocalLLMError
+from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
+from localllm.runtime.types import GenerationParams, Result
 from localllm.runtime.types import Request as GenRequest
-from localllm.runtime.types import Result
+from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, default_model, held
 from localllm.server.wire import Body
 
 router = APIRouter()
 SSE = "text/event-stream"
+LLAMA_DEFAULT_SEED = 4294967295  # what llama-server reports as the seed of a request that sent none
+DEFAULT_SAMPLERS = ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
+                 "t": "temperature", "s": "top_n_sigma"}
 
 
 class CompletionBody(Body):
@@ -56,6 +68,7 @@ class CompletionBody(Body):
     samplers: list[str] | str | None = None
     context_policy: str | None = None
     ignore_eos: bool = False
+    return_tokens: bool = False
 
 
 class InfillBody(CompletionBody):
@@ -74,6 +87,18 @@ class TokenizeBody(Body):
 class DetokenizeBody(Body):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingBody(Body):
+    model: str | None = None
+    content: str | list[str] | None = None
+    input: str | list[str] | None = None
+    embd_normalize: int = 2
+
+
+class TemplateBody(Body):
+    model: str | None = None
+    messages: list[dict[str, Any]]
 
 
 def extra_chunks(value: Any) -> list[tuple[str, str]]:
@@ -121,11 +146,53 @@ def _wire_options(body: CompletionBody) -> Options:
 
 def _timings(t: Any) -> dict[str, Any]:
     n_prompt = t.prompt_tokens - t.cached_tokens
-    return {"prompt_n": n_prompt, "prompt_ms": t.queue_ms + t.prompt_ms, "prompt_per_token_ms":
+    return {"cache_n": t.cached_tokens, "prompt_n": n_prompt, "prompt_ms": t.queue_ms + t.prompt_ms, "prompt_per_token_ms":
             (t.prompt_ms / n_prompt) if n_prompt else 0.0, "prompt_per_second": t.prompt_per_s,
             "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
             "predicted_per_token_ms": (t.decode_ms / t.n_decoded) if t.n_decoded else 0.0,
             "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted}
+
+
+def _samplers(value: list[str] | str | None) -> list[str]:
+    if value is None:
+        return list(DEFAULT_SAMPLERS)
+    if isinstance(value, str):  # llama-server's short form: one letter per sampler ("kfypmt")
+        return [SAMPLER_CHARS[c] for c in value if c in SAMPLER_CHARS]
+    return list(value)
+
+
+def _settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop: list[str] | None = None,
+              n_keep: int = 0, ignore_eos: bool = False, stream: bool = False, grammar: str | None = None,
+              samplers: list[str] | str | None = None, model: str = "") -> dict[str, Any]:
+    """llama-server's generation_settings (task_params::to_json) for the settings localllm applies."""
+    seed = params.seed if params.seed is not None and params.seed >= 0 else LLAMA_DEFAULT_SEED
+    return {"n_ctx": n_ctx, "model": model, "seed": seed, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_last_n": params.repeat_last_n, "repeat_penalty": params.repeat_penalty,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "stop": list(stop or []), "max_tokens": n_predict, "n_predict": n_predict, "n_keep": n_keep,
+            "n_discard": 0, "ignore_eos": ignore_eos, "stream": stream, "grammar": grammar or "",
+            "samplers": _samplers(samplers)}
+
+
+def _slot_of(engine: Any, req: GenRequest, prompt: list[int]) -> int | None:
+    """The slot running (or that last ran) this request, read without a lock as engine.stats() is."""
+    slots = list(getattr(engine, "slots", None) or [])
+    for s in slots:
+        job = getattr(s, "job", None)
+        if job is not None and getattr(job, "request", None) is req:
+            return int(s.id)
+    n = len(prompt)
+    done = [s for s in slots if n and list(getattr(s, "tokens", [])[:n]) == prompt]
+    return int(max(done, key=lambda s: getattr(s, "last_used", 0.0)).id) if done else None
+
+
+def _exceed(exc: ContextOverflow) -> JSONResponse:
+    """llama-server's answer to a prompt over the context (server_task_result_error::to_json)."""
+    msg = f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} tokens), " \
+          "try increasing it" + (f" ({exc.hint})" if exc.hint else "")
+    return JSONResponse({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error",
+                                   "n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx}}, status_code=400)
 
 
 class _Limits:
@@ -157,43 +224,71 @@ class _Limits:
 async def _generate(request: Request, body: CompletionBody, build: Any) -> Response:
     state = request.app.state
     name = default_model(state, body.model)
-    g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
-                                                                 _wire_options(body)))
-    req = g.request
+    try:
+        g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
+                                                                     _wire_options(body)))
+    except ContextOverflow as exc:
+        return _exceed(exc)
+    req, engine = g.request, g.engine
+    prompt_ids = list(getattr(g.stream, "prompt", None) or [])
     limits, warmup = _Limits(body), body.n_predict == 0
+    n_ctx = int(getattr(engine, "n_ctx", 0) or 0)
+    slot: list[int | None] = [None]
 
-    def final(acc: Result, stop_type: str) -> dict[str, Any]:
-        return {"content": "" if warmup else acc.text, "stop": True, "model": name,
+    def id_slot() -> int:
+        if slot[0] is None:
+            slot[0] = _slot_of(engine, req, prompt_ids)
+        return slot[0] if slot[0] is not None else (body.id_slot if body.id_slot is not None else -1)
+
+    def prompt_text() -> str:
+        """The prompt as the model saw it, special tokens written out (llama-server's `prompt`)."""
+        model = getattr(engine, "model", None)
+        return model.detokenize(prompt_ids, special=True) if model is not None and prompt_ids else ""
+
+    def final(acc: Result, stop_type: str, shown: str) -> dict[str, Any]:
+        text = "" if warmup or body.stream else acc.text
+        tokens = acc.tokens if body.return_tokens and not warmup and not body.stream else []
+        return {"index": 0, "content": text, "tokens": tokens, "id_slot": id_slot(), "stop": True, "model": name,
                 "tokens_predicted": 0 if warmup else acc.usage.completion_tokens,
-                "tokens_evaluated": acc.usage.prompt_tokens, "tokens_cached": acc.usage.cached_tokens,
+                "tokens_evaluated": acc.usage.prompt_tokens,
+                "generation_settings": _settings(req.params, n_ctx, n_predict=body.n_predict, stop=req.stop,
+                                                 n_keep=body.n_keep, ignore_eos=body.ignore_eos, stream=body.stream,
+                                                 grammar=body.grammar, samplers=body.samplers, model=name),
+                "prompt": shown, "has_new_line": "\n" in acc.text,
                 "truncated": any(n.kind in ("prompt_truncated", "context_shift") for n in acc.notices),
-                "stop_type": stop_type, "stopping_word": "", "timings": _timings(acc.timings)}
+                "stop_type": stop_type, "stopping_word": "", "tokens_cached": acc.usage.cached_tokens,
+                "timings": _timings(acc.timings)}
 
-    async def run() -> AsyncIterator[str | dict[str, Any]]:
-        """Text pieces as they come, then the final object."""
+    async def run() -> AsyncIterator[dict[str, Any]]:
+        """llama-server's partial events (a piece of text and its token ids) as they come, then the final one."""
         acc, stop_type = Result(), None
+        n_prompt = len(prompt_ids)
         async for chunk in g.chunks():
             acc.absorb(chunk)
-            if chunk.text and not warmup:
-                kept = limits.cut(acc.text)
+            kept = None
+            if (chunk.text or chunk.tokens) and not warmup:
                 piece = chunk.text
-                if kept is not None:
-                    piece = chunk.text[: max(0, len(chunk.text) - (len(acc.text) - len(kept)))]
-                    acc.text, stop_type = kept, "limit"
-                if piece:
-                    yield piece
+                if chunk.text:
+                    kept = limits.cut(acc.text)
+                    if kept is not None:
+                        piece = chunk.text[: max(0, len(chunk.text) - (len(acc.text) - len(kept)))]
+                        acc.text, stop_type = kept, "limit"
+                if piece or chunk.tokens:
+                    yield {"index": 0, "content": piece, "tokens": list(chunk.tokens), "stop": False,
+                           "id_slot": id_slot(), "tokens_predicted": len(acc.tokens),
+                           "tokens_evaluated": n_prompt}
                 if kept is not None:
                     break  # the Generation's close() cancels the rest
             if chunk.finish_reason:
                 stop_type = {"length": "limit"}.get(chunk.finish_reason) or (
                     "word" if chunk.tokens and req.stop else "eos")
-        yield final(acc, stop_type or "limit")
+        yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))
 
     if not body.stream:
         out: dict[str, Any] = {}
         async with g:
             async for item in run():
-                if isinstance(item, dict):
+                if item["stop"]:
                     out = item
         return JSONResponse(flatten(out, body.response_fields))
 
@@ -201,8 +296,7 @@ async def _generate(request: Request, body: CompletionBody, build: Any) -> Respo
         try:
             async with g:
                 async for item in run():
-                    data = {"content": item, "stop": False} if isinstance(item, str) else \
-                        flatten(item, body.response_fields)
+                    data = flatten(item, body.response_fields) if item["stop"] else item
                     yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
         except Exception as exc:  # sent to this client only, as an error event
             # our own errors say what went wrong; anything else could carry paths: name its type only
@@ -252,7 +346,48 @@ async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
         return {"content": lease.engine.detokenize(body.tokens)}
 
 
+def _normalized(vec: list[float], norm: int) -> list[float]:
+    """llama-server's embd_normalize (common_embd_normalize) of an L2-normalized vector: each norm is a
+    rescaling of the raw vector, so it is a rescaling of this one too."""
+    if norm == 2:
+        return vec
+    if norm == 0:  # max absolute, scaled to the int16 range
+        top = max((abs(x) for x in vec), default=0.0)
+        scale = 32760.0 / top if top > 0 else 0.0
+    else:
+        p = 1 if norm == 1 else norm
+        total = sum(abs(x) ** p for x in vec) ** (1.0 / p)
+        scale = 1.0 / total if total > 0 else 0.0
+    return [x * scale for x in vec]
+
+
+@router.post("/embedding")
+async def embedding(body: EmbeddingBody, request: Request) -> Response:
+    """llama-server's non-OpenAI embedding endpoint: [{"index": i, "embedding": [[pooled vector]]}]."""
+    value = body.input if body.input is not None else body.content
+    if value is None:
+        raise InvalidInput("\"input\" or \"content\" must be provided")
+    if body.embd_normalize < 0:
+        raise InvalidInput("embd_normalize -1 (no normalization) is not supported",
+                           "use 2 (Euclidean, the default), 1 (taxicab), 0 (max absolute) or p > 2")
+    texts = [value] if isinstance(value, str) else list(value)
+    state = request.app.state
+    vectors, _ = await embed_texts(state, default_model(state, body.model), texts)
+    return JSONResponse([{"index": i, "embedding": [_normalized(v, body.embd_normalize)]}
+                         for i, v in enumerate(vectors)])
+
+
+@router.post("/apply-template")
+async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]:
+    """The chat prompt the model's template makes of these messages, without generating."""
+    state = request.app.state
+    async with held(state, default_model(state, body.model)) as lease:
+        fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
+        return {"prompt": (await run_in_threadpool(fmt.render, body.messages)).text}
+
+
 @router.get("/health")
+@router.get("/v1/health")
 async def health(request: Request) -> Response:
     """llama-server's shape: 503 {"status": "loading model"} while the pool loads a model, else 200 ok."""
     loads = getattr(request.app.state, "loads", None)
@@ -272,14 +407,32 @@ def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
 
 @router.get("/props")
 async def props(request: Request) -> dict[str, Any]:
+    """llama-server's /props for the model loaded most recently (model_path is its name, never a file path)."""
     state = request.app.state
     engines = _engines(state)
     m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
     n_ctx = getattr(engine, "n_ctx", None) or 0
     slots = len(engine.stats()["slots"]) if engine is not None else state.settings.slots
-    return {"default_generation_settings": {"n_ctx": n_ctx, "params": {"n_predict": -1}},
+    template = ""
+    if engine is not None:
+        async with held(state, m["name"]) as lease:  # held: the format reads the model's special tokens
+            fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
+            template = fmt.template or ""
+    params = _settings(GenerationParams(), n_ctx, stream=True)
+    params.pop("n_ctx"), params.pop("model")
+    return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
             "total_slots": slots, "model_alias": m["name"], "model_path": m["name"],  # never a file path
-            "build_info": "localllm", "modalities": {"vision": False, "audio": False}}
+            "chat_template": template, "build_info": f"localllm {_version()}",
+            "modalities": {"vision": False, "video": False, "audio": False}, "is_sleeping": False}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("localllm")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+        return "dev"
 
 
 @router.get("/slots")
