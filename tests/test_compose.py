@@ -142,3 +142,14 @@ def test_a_final_assistant_message_is_continued_not_answered(engine: Any) -> Non
         == req.prompt
     with pytest.raises(InvalidInput, match="Cannot have 2 or more assistant messages at the end of the list"):
         RequestBuilder(fmt, engine).chat([*turns, {"role": "assistant", "content": "bar"}], Options())
+
+
+def test_a_stream_knows_its_slot(tmp_path: Path) -> None:
+    """llama-server's `id_slot` comes from the engine's own admission, not from a guess afterwards."""
+    with Engine(make_tiny_gguf(tmp_path / "t.gguf"), n_ctx=512, slots=2, threads=2) as eng:
+        build = RequestBuilder(raw_format(), eng)
+        a = eng.submit(build.prompt("hello world", Options(max_tokens=40)))
+        b = eng.submit(build.prompt("foo bar json", Options(max_tokens=40)))
+        next(iter(a)), next(iter(b))
+        assert {a.slot, b.slot} == {0, 1}  # two requests at once: one slot each
+        a.cancel(), b.cancel()

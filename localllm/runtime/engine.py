@@ -281,7 +281,7 @@ class Engine:
                 self.ctx.seq_rm(dst.id)
                 n = 0
             dst.tokens = dst.tokens[:n]
-        job.cached = n
+        job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
         job.pending = prompt[n:]
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000

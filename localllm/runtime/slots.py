@@ -56,6 +56,7 @@ class StreamState:
         self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.done = False
+        self.slot: int | None = None  # set by the scheduler when it admits the request, before any chunk
 
     def put(self, chunk: Chunk) -> None:
         self.queue.put(chunk)

@@ -55,6 +55,11 @@ class Stream:
         self._wake()
 
     @property
+    def slot(self) -> int | None:
+        """The engine slot serving this request (known from its first chunk on), None before admission."""
+        return self._state.slot
+
+    @property
     def cancelled(self) -> bool:
         return self._state.cancelled.is_set()
 

@@ -31,7 +31,7 @@ from localllm.runtime.types import GenerationParams, Result
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, default_model, held
-from localllm.server.wire import Body
+from localllm.server.wire import Body, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -144,15 +144,6 @@ def _wire_options(body: CompletionBody) -> Options:
                    draft=body.model_extra or {})
 
 
-def _timings(t: Any) -> dict[str, Any]:
-    n_prompt = t.prompt_tokens - t.cached_tokens
-    return {"cache_n": t.cached_tokens, "prompt_n": n_prompt, "prompt_ms": t.queue_ms + t.prompt_ms, "prompt_per_token_ms":
-            (t.prompt_ms / n_prompt) if n_prompt else 0.0, "prompt_per_second": t.prompt_per_s,
-            "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
-            "predicted_per_token_ms": (t.decode_ms / t.n_decoded) if t.n_decoded else 0.0,
-            "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted}
-
-
 def _samplers(value: list[str] | str | None) -> list[str]:
     if value is None:
         return list(DEFAULT_SAMPLERS)
@@ -173,18 +164,6 @@ def _settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop
             "stop": list(stop or []), "max_tokens": n_predict, "n_predict": n_predict, "n_keep": n_keep,
             "n_discard": 0, "ignore_eos": ignore_eos, "stream": stream, "grammar": grammar or "",
             "samplers": _samplers(samplers)}
-
-
-def _slot_of(engine: Any, req: GenRequest, prompt: list[int]) -> int | None:
-    """The slot running (or that last ran) this request, read without a lock as engine.stats() is."""
-    slots = list(getattr(engine, "slots", None) or [])
-    for s in slots:
-        job = getattr(s, "job", None)
-        if job is not None and getattr(job, "request", None) is req:
-            return int(s.id)
-    n = len(prompt)
-    done = [s for s in slots if n and list(getattr(s, "tokens", [])[:n]) == prompt]
-    return int(max(done, key=lambda s: getattr(s, "last_used", 0.0)).id) if done else None
 
 
 def _exceed(exc: ContextOverflow) -> JSONResponse:
@@ -233,12 +212,10 @@ async def _generate(request: Request, body: CompletionBody, build: Any) -> Respo
     prompt_ids = list(getattr(g.stream, "prompt", None) or [])
     limits, warmup = _Limits(body), body.n_predict == 0
     n_ctx = int(getattr(engine, "n_ctx", 0) or 0)
-    slot: list[int | None] = [None]
 
     def id_slot() -> int:
-        if slot[0] is None:
-            slot[0] = _slot_of(engine, req, prompt_ids)
-        return slot[0] if slot[0] is not None else (body.id_slot if body.id_slot is not None else -1)
+        slot = getattr(g.stream, "slot", None)
+        return slot if slot is not None else (body.id_slot if body.id_slot is not None else -1)
 
     def prompt_text() -> str:
         """The prompt as the model saw it, special tokens written out (llama-server's `prompt`)."""
@@ -257,7 +234,7 @@ async def _generate(request: Request, body: CompletionBody, build: Any) -> Respo
                 "prompt": shown, "has_new_line": "\n" in acc.text,
                 "truncated": any(n.kind in ("prompt_truncated", "context_shift") for n in acc.notices),
                 "stop_type": stop_type, "stopping_word": "", "tokens_cached": acc.usage.cached_tokens,
-                "timings": _timings(acc.timings)}
+                "timings": timings_dict(acc.timings)}
 
     async def run() -> AsyncIterator[dict[str, Any]]:
         """llama-server's partial events (a piece of text and its token ids) as they come, then the final one."""

@@ -29,7 +29,7 @@ from localllm.errors import InvalidInput
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, default_model, finish_reason
-from localllm.server.wire import Body, notice_dict, parse_tool_calls
+from localllm.server.wire import Body, notice_dict, parse_tool_calls, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -147,21 +147,6 @@ def _usage(u: Any) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def _timings(t: Any) -> dict[str, Any]:
-    """llama-server's `timings`: prompt_n prompt tokens prefilled, cache_n reused from the KV cache,
-    predicted_n generated; milliseconds, per token and per second (prompt_n + cache_n + predicted_n
-    tokens are in the context)."""
-    prompt_n = max(t.prompt_tokens - t.cached_tokens, 0)
-    out = {"cache_n": t.cached_tokens, "prompt_n": prompt_n, "prompt_ms": t.prompt_ms,
-           "prompt_per_token_ms": t.prompt_ms / prompt_n if prompt_n else 0.0, "prompt_per_second": t.prompt_per_s,
-           "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
-           "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
-           "predicted_per_second": t.decode_per_s}
-    if t.draft_n:
-        out["draft_n"], out["draft_n_accepted"] = t.draft_n, t.draft_accepted
-    return out
-
-
 def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[str, Any]]:
     out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
@@ -190,7 +175,7 @@ async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_us
         usage, timings, held_text, notices = None, None, "", []
         async for chunk in g.chunks():
             if chunk.timings is not None:
-                timings = _timings(chunk.timings)
+                timings = timings_dict(chunk.timings)
             # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
             last = {"timings": timings} if timings is not None and not include_usage else {}
             if chunk.notice is not None:  # what the engine did to the context, as it happens
@@ -258,10 +243,10 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
                 reason = "tool_calls"
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage),
-                             "timings": _timings(res.timings), **_notices(res)})
+                             "timings": timings_dict(res.timings), **_notices(res)})
     choice = {"index": 0, "text": echo + res.text, "logprobs": None, "finish_reason": reason}
     return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage),
-                         "timings": _timings(res.timings), **_notices(res)})
+                         "timings": timings_dict(res.timings), **_notices(res)})
 
 
 def _notices(res: Any) -> dict[str, Any]:

@@ -15,6 +15,18 @@ def notice_dict(n: Any) -> dict[str, Any]:
     return {"kind": n.kind, "n_dropped": n.n_dropped, "message": n.message}
 
 
+def timings_dict(t: Any) -> dict[str, Any]:
+    """llama-server's `timings` for a runtime Timings (the llama.cpp and OpenAI dialects both send it):
+    prompt_n tokens prefilled, cache_n reused from the KV cache, predicted_n generated; prompt_ms is the
+    prefill's time (queueing is not in it, as in llama-server); per token and per second figures."""
+    prompt_n = max(t.prompt_tokens - t.cached_tokens, 0)
+    return {"cache_n": t.cached_tokens, "prompt_n": prompt_n, "prompt_ms": t.prompt_ms,
+            "prompt_per_token_ms": t.prompt_ms / prompt_n if prompt_n else 0.0, "prompt_per_second": t.prompt_per_s,
+            "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
+            "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
+            "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted}
+
+
 class Body(BaseModel):
     """Request bodies of every dialect: unknown fields are kept (clients send many we do not use,
     and llama-server's flat `speculative.*` keys are read from them)."""
