@@ -89,6 +89,20 @@ class Settings:
     lookup: bool = False
     draft_max: int = 16
     draft_adaptive: bool = True  # False: always draft draft_max (llama-server's behaviour)
+    # each loaded model's engine in its own process (a native fault costs its requests an error, not the
+    # server); False keeps engines in the server's process (for debugging and the bench's baseline)
+    runners: bool = True
+    # llama.cpp CPU kernels: "auto" keeps AMX out where it would be used (machine/kernels.py), "all",
+    # "no-amx" (AMX out, CPU_REPACK on) or "none" (no repacked weights at all)
+    cpu_kernels: str = "auto"
+    # llama-server's server-wide defaults (`serve --model/--n-predict/--temp/--seed/--chat-template`):
+    # the model loaded at start and answering requests that name none; what a request that leaves an
+    # option unset gets; a built-in template name or a Jinja file used instead of the models' own
+    model: str | None = None
+    n_predict: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    chat_template: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +114,7 @@ MAX_CTX = 1 << 20  # tokens per context: compose.spec.MAX_CTX
 MAX_SLOTS = 256  # llama.cpp's most sequences per context (runtime/llama.py)
 MAX_THREADS = 1024  # as the server's options.num_thread
 MAX_DRAFT = 64  # runtime.speculative.SpecConfig.problems: draft_max in 0..64
+MAX_SEED = (1 << 32) - 1  # llama.cpp seeds are uint32
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
                        r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
@@ -114,13 +129,15 @@ class InvalidSetting(InvalidInput):
 
 @dataclass(frozen=True)
 class Rule:
-    """What one setting allows: kind "int" (lo..hi), "str", "host", "bool", "strs" (a list of strings)
-    or "duration" (a keep_alive string or number of seconds); optional settings may also be unset."""
+    """What one setting allows: kind "int" (lo..hi), "float" (a finite number, lo..hi), "str", "host",
+    "bool", "strs" (a list of strings) or "duration" (a keep_alive string or number of seconds); optional
+    settings may also be unset."""
 
     kind: str
     lo: int | None = None
     hi: int | None = None
     optional: bool = False
+    choices: tuple[str, ...] = ()  # kind "choice": the values allowed (compared in lower case)
 
     @property
     def allowed(self) -> str:
@@ -130,6 +147,12 @@ class Rule:
             if self.lo is not None:
                 return f"an integer >= {self.lo}"
             return "an integer"
+        if self.kind == "float":
+            if self.lo is not None and self.hi is not None:
+                return f"a number from {self.lo} to {self.hi}"
+            return f"a number >= {self.lo}" if self.lo is not None else "a number"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
         return {
             "str": "a string",
             "host": "a host name or an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)",
@@ -146,6 +169,12 @@ class Rule:
         if self.kind == "int":
             try:
                 value: Any = int(text)
+            except ValueError:
+                raise ValueError(self.allowed) from None
+            return self.check(value)
+        if self.kind == "float":
+            try:
+                value = float(text)
             except ValueError:
                 raise ValueError(self.allowed) from None
             return self.check(value)
@@ -167,6 +196,13 @@ class Rule:
         if self.kind == "int":
             ok = (isinstance(value, int) and not isinstance(value, bool)
                   and (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi))
+        elif self.kind == "float":  # TOML may give an int (`temperature = 0`); NaN and infinity never pass
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                  and (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi))
+            value = float(value) if ok else value
+        elif self.kind == "choice":
+            value = value.strip().lower() if isinstance(value, str) else value
+            ok = value in self.choices
         elif self.kind == "bool":
             ok = isinstance(value, bool)
         elif self.kind == "str":
@@ -205,9 +241,17 @@ RULES: dict[str, Rule] = {
     "lookup": Rule("bool"),
     "draft_max": Rule("int", 0, MAX_DRAFT),
     "draft_adaptive": Rule("bool"),
+    "cpu_kernels": Rule("choice", choices=("auto", "all", "no-amx", "none")),  # machine.kernels.SETTINGS
+    "runners": Rule("bool"),
+    "model": Rule("str", optional=True),  # an installed name (the CLI checks it)
+    "n_predict": Rule("int", -1, 1 << 30, optional=True),  # -1: until the model stops; 0 is refused by the CLI
+    "temperature": Rule("float", 0, optional=True),
+    "seed": Rule("int", -1, MAX_SEED, optional=True),  # -1: a random seed per request
+    "chat_template": Rule("str", optional=True),  # a built-in name or a Jinja file (the CLI checks it)
 }
 _BY_TYPE = {"int": Rule("int"), "int | None": Rule("int", optional=True), "bool": Rule("bool"),
-            "str": Rule("str"), "str | None": Rule("str", optional=True), "tuple[str, ...]": Rule("strs")}
+            "str": Rule("str"), "str | None": Rule("str", optional=True), "tuple[str, ...]": Rule("strs"),
+            "float | None": Rule("float", optional=True)}
 
 
 def rule(name: str) -> Rule:

@@ -81,16 +81,17 @@ def expect_raw(vocab: dict[str, Model], name: str, prompt: str) -> list[int]:
 
 @pytest.fixture
 def fed(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The token ids of every request that reaches an engine (Stream.prompt), in order."""
+    """The token ids of every request that reaches an engine or a runner (Stream.prompt), in order."""
+    from localllm.runtime.runner import Runner
+
     seen: list[list[int]] = []
-    submit = Engine.submit
+    for cls in (Engine, Runner):  # in-process engines, and runners (their stream's prompt is the child's)
+        def recording(self: Any, request: Request, submit: Any = cls.submit) -> Any:
+            stream = submit(self, request)
+            seen.append(list(stream.prompt))
+            return stream
 
-    def recording(self: Engine, request: Request) -> Any:
-        stream = submit(self, request)
-        seen.append(list(stream.prompt))
-        return stream
-
-    monkeypatch.setattr(Engine, "submit", recording)
+        monkeypatch.setattr(cls, "submit", recording)
     return seen
 
 

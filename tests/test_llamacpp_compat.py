@@ -141,3 +141,190 @@ def test_invalid_grammar_is_400(http: httpx.Client, path: str, stream: bool) -> 
     ok = http.post(path, json=body | {"grammar": 'root ::= "yes"', "n_predict": 4, "temperature": 0,
                                       "model": TINY})
     assert ok.status_code == 200 and ok.json()["content"].startswith("y")
+
+
+# ---- prompt forms (tokenize_input_prompts in server-common.cpp) -------------------------------------------
+BOS = 1  # tests/tinymodel.py: <s>, added by the GGUF's add_bos_token
+
+
+def ids(http: httpx.Client, text: str, add_special: bool = False) -> list[int]:
+    r = http.post("/tokenize", json={"content": text, "add_special": add_special, "model": TINY})
+    return list(r.json()["tokens"])
+
+
+def complete(http: httpx.Client, prompt: Any, **extra: Any) -> Any:
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": True, "model": TINY} | extra
+    r = http.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(("mixed", "pieces"), [
+    # a token id first: no BOS is added; later strings get none either (tokenize_mixed)
+    (lambda: [BOS, "hello world"], lambda h: [BOS, *ids(h, "hello world")]),
+    (lambda: [12, " the model", 34], lambda h: [12, *ids(h, " the model"), 34]),
+    # a string first: it alone gets BOS, as the GGUF asks
+    (lambda: ["hello", 40, " world"], lambda h: [*ids(h, "hello", add_special=True), 40, *ids(h, " world")]),
+    # special-token text in a piece is parsed as the token (parse_special)
+    (lambda: [40, "<s>foo"], lambda h: [40, BOS, *ids(h, "foo")]),
+])
+def test_mixed_prompt_is_tokenized_piece_by_piece(http: httpx.Client, mixed: Any, pieces: Any) -> None:
+    expected = pieces(http)
+    assert ids(http, "hello", add_special=True)[0] == BOS  # the tiny model does add BOS to a text
+    got, ref = complete(http, mixed()), complete(http, expected)
+    assert got["tokens_evaluated"] == ref["tokens_evaluated"] == len(expected)
+    assert got["prompt"] == ref["prompt"] and got["tokens"] == ref["tokens"] and got["content"] == ref["content"]
+
+
+def test_token_ids_get_no_bos_and_prompt_object_is_its_prompt_string(http: httpx.Client) -> None:
+    text_ids = ids(http, "hello world")
+    assert complete(http, text_ids)["tokens_evaluated"] == len(text_ids)  # ids as sent, no BOS added
+    plain = complete(http, "hello world")
+    assert plain["tokens_evaluated"] == len(text_ids) + 1  # a string gets BOS
+    obj = complete(http, {"prompt_string": "hello world"})
+    assert (obj["content"], obj["tokens"], obj["tokens_evaluated"]) == \
+        (plain["content"], plain["tokens"], plain["tokens_evaluated"])
+    mixed_obj = complete(http, {"prompt_string": [BOS, "hello world"]})
+    assert mixed_obj["tokens"] == plain["tokens"] and mixed_obj["tokens_evaluated"] == plain["tokens_evaluated"]
+
+
+@pytest.mark.parametrize(("prompt", "needle"), [
+    ({"prompt_string": "describe this", "multimodal_data": ["iVBORw0KGgo="]}, "images"),
+    ([], "must not be empty"),
+    ([["a", "b"]], "\"prompt\" elements must be a string, a list of tokens"),
+    ([1.5], "\"prompt\" elements must be"),
+    ({"text": "hi"}, "\"prompt\" elements must be"),
+    (["ok", ""], "prompt[1] is empty"),
+])
+def test_prompt_shapes_llama_server_refuses_are_400(http: httpx.Client, prompt: Any, needle: str) -> None:
+    r = http.post("/completion", json={"prompt": prompt, "n_predict": 2, "model": TINY})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error" and needle in err["message"], err
+
+
+BATCH = ["Once upon a time", [BOS, 40, 41, 42], {"prompt_string": "hello world"}, [BOS, "the model"]]
+
+
+def test_batch_answers_an_array_in_prompt_order(http: httpx.Client) -> None:
+    alone = [complete(http, p) for p in BATCH]
+    r = http.post("/completion", json={"prompt": BATCH, "n_predict": 6, "temperature": 0, "return_tokens": True,
+                                       "model": TINY})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and [o["index"] for o in out] == [0, 1, 2, 3]
+    for got, ref in zip(out, alone):
+        assert got["content"] == ref["content"] and got["tokens"] == ref["tokens"]
+        assert got["tokens_evaluated"] == ref["tokens_evaluated"] and got["prompt"] == ref["prompt"]
+        assert got["stop"] is True and got["tokens_predicted"] == 6
+    # a batch of one is answered with one object, as llama-server does
+    one = http.post("/completion", json={"prompt": ["Once upon a time"], "n_predict": 6, "temperature": 0,
+                                         "model": TINY}).json()
+    assert isinstance(one, dict) and one["index"] == 0 and one["content"] == alone[0]["content"]
+
+
+def test_batch_streams_every_prompt_with_its_index(http: httpx.Client) -> None:
+    alone = [complete(http, p) for p in BATCH]
+    r = http.post("/completion", json={"prompt": BATCH, "n_predict": 6, "temperature": 0, "stream": True,
+                                       "response_fields": ["index", "stop", "tokens_predicted"], "model": TINY})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r)
+    assert "[DONE]" not in r.text  # llama-server's own /completion stream has no [DONE]
+    for i, ref in enumerate(alone):
+        mine = [e for e in events if e["index"] == i]
+        partial, finals = [e for e in mine if not e["stop"]], [e for e in mine if e["stop"]]
+        assert "".join(e["content"] for e in partial) == ref["content"]
+        assert [t for e in partial for t in e["tokens"]] == ref["tokens"]
+        # the final event: response_fields applies to it, as llama-server applies it to the final result
+        assert finals == [{"index": i, "stop": True, "tokens_predicted": 6}]
+    assert events[-1]["stop"] is True and len(events) == sum(len(e.get("tokens", [])) > 0 for e in events) + 4
+
+
+def test_batch_with_one_prompt_over_the_context_is_one_400(http: httpx.Client) -> None:
+    n_ctx = n_ctx_of(http)
+    r = http.post("/completion", json={"prompt": ["hello", "word " * 3000], "n_predict": 2, "model": TINY})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+    assert r.json()["error"]["n_ctx"] == n_ctx
+
+
+def test_completion_probabilities(http: httpx.Client) -> None:
+    """n_probs: llama-server's completion_probabilities, per partial event when streamed, all at the end
+    otherwise; post_sampling_probs switches to prob/top_probs."""
+    body = {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0, "n_probs": 3, "model": TINY,
+            "return_tokens": True}
+    whole = http.post("/completion", json=body).json()
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"] and len(probs) == whole["tokens_predicted"] == 8
+    for p in probs:
+        assert set(p) == {"id", "token", "bytes", "logprob", "top_logprobs"} and len(p["top_logprobs"]) == 3
+        assert all(set(t) == {"id", "token", "bytes", "logprob"} for t in p["top_logprobs"])
+        assert p["top_logprobs"][0]["id"] == p["id"]  # greedy: the most likely token
+        assert p["logprob"] == pytest.approx(p["top_logprobs"][0]["logprob"])
+        assert sum(math.exp(t["logprob"]) for t in p["top_logprobs"]) <= 1 + 1e-9
+    assert b"".join(bytes(p["bytes"]) for p in probs).decode("utf-8", "replace") == whole["content"]
+    assert whole["generation_settings"]["n_probs"] == 3 and whole["generation_settings"]["post_sampling_probs"] is False
+    events = sse(http.post("/completion", json=body | {"stream": True}))
+    assert "completion_probabilities" not in events[-1]
+    streamed = []
+    for e in events[:-1]:
+        assert [p["id"] for p in e["completion_probabilities"]] == e["tokens"]
+        streamed += e["completion_probabilities"]
+    assert [p["id"] for p in streamed] == [p["id"] for p in probs]
+    assert [p["logprob"] for p in streamed] == pytest.approx([p["logprob"] for p in probs], abs=1e-3)
+    # llama-server's alias, and 0 = none
+    assert len(http.post("/completion", json=body | {"n_probs": None, "logprobs": 2}).json()
+               ["completion_probabilities"][0]["top_logprobs"]) == 2
+    assert "completion_probabilities" not in http.post("/completion", json=body | {"n_probs": 0}).json()
+    post = http.post("/completion", json=body | {"temperature": 0.8, "seed": 3, "post_sampling_probs": True,
+                                                 "n_probs": 50}).json()
+    for p in post["completion_probabilities"]:
+        assert set(p) == {"id", "token", "bytes", "prob", "top_probs"} and 0 < p["prob"] <= 1
+        assert sum(t["prob"] for t in p["top_probs"]) == pytest.approx(1.0, abs=1e-4)  # top_k 40 < 50: all of them
+        assert p["id"] in [t["id"] for t in p["top_probs"]]
+    fim = http.post("/infill", json={"input_prefix": "def f():\n", "input_suffix": "\n", "n_predict": 3,
+                                     "temperature": 0, "n_probs": 2, "model": TINY}).json()
+    assert len(fim["completion_probabilities"]) == fim["tokens_predicted"]
+    assert http.post("/completion", json=body | {"n_probs": 10**6}).status_code == 400
+
+
+def _eos(srv: Server) -> int:
+    return int(dict(srv.pool.engines())[TINY].model.eos)
+
+
+def test_stopping_word_and_stop_type(http: httpx.Client, srv: Server) -> None:
+    body = {"prompt": "Once upon a time", "n_predict": 16, "temperature": 0, "model": TINY}
+    text = http.post("/completion", json=body).json()["content"]
+    word = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    for stream in (False, True):
+        r = http.post("/completion", json=body | {"stop": ["never seen", word], "stream": stream})
+        last = sse(r)[-1] if stream else r.json()
+        assert last["stop_type"] == "word" and last["stopping_word"] == word, last
+    r = http.post("/completion", json=body | {"logit_bias": [[_eos(srv), 100]]}).json()
+    assert r["stop_type"] == "eos" and r["stopping_word"] == "" and r["tokens_predicted"] == 0
+    r = http.post("/completion", json=body | {"n_predict": 2}).json()
+    assert r["stop_type"] == "limit" and r["stopping_word"] == ""
+
+
+def test_logit_bias_forms(http: httpx.Client) -> None:
+    """llama-server's [[id, bias]], [[id, false]], [["text", bias]] and {"id": bias}, in greedy mode."""
+    body = {"prompt": "Once upon a time", "n_predict": 1, "temperature": 0, "return_tokens": True, "model": TINY}
+
+    def first(bias: Any) -> int:
+        r = http.post("/completion", json=body | {"logit_bias": bias})
+        assert r.status_code == 200, r.text
+        return int(r.json()["tokens"][0])
+
+    best = first([])
+    other = 300 if best != 300 else 301
+    assert first([[best, False]]) != best and first([[best, -1000]]) != best
+    assert first([[other, 100]]) == other and first({str(other): 100}) == other
+    words = http.post("/tokenize", json={"content": " quick fox", "model": TINY}).json()["tokens"]
+    assert len(words) > 1 and first([[" quick fox", 100]]) in words  # a text means each of its tokens
+    assert first([[" quick fox", 100], [words[0], False]]) in words[1:]
+    settings = http.post("/completion", json=body | {"logit_bias": [[best, False], [other, 2]]}).json()
+    assert settings["generation_settings"]["logit_bias"] == [{"bias": None, "token": best},
+                                                             {"bias": 2.0, "token": other}]
+    for bad in ([[10**6, 1]], [[1, "x"]], [1, 2], {"1": None}):
+        r = http.post("/completion", json=body | {"logit_bias": bad})
+        assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], (bad, r.text)
+    assert "vocabulary" in http.post("/completion", json=body | {"logit_bias": [[10**6, 1]]}).json()["error"]["message"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,102 @@ def test_api_key(keyed: Server) -> None:
     assert r.status_code == 200, r.text
     bare = openai.OpenAI(base_url=keyed.url, api_key=KEY, max_retries=0, timeout=60)
     assert TINY in [m.id for m in bare.models.list().data]
+
+
+def _client(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_logprobs(srv: Server) -> None:
+    """logprobs/top_logprobs: the model's own, the same streamed and not; the best is the greedy token."""
+    client = _client(srv)
+    kw = {"model": TINY, "messages": MSGS, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    r = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob) and math.exp(e.logprob) <= 1
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-9
+        assert (e.model_extra or {})["id"] == (e.top_logprobs[0].model_extra or {})["id"]  # llama-server's id
+    assert b"".join(bytes(e.bytes or []) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)  # type: ignore[call-overload]
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.bytes for e in streamed] == [e.bytes for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-3)
+    no_top = client.chat.completions.create(**(kw | {"top_logprobs": 0}))  # type: ignore[call-overload]
+    assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)  # OpenAI's default: none
+    plain = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
+        client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=2, top_logprobs=2)  # type: ignore[arg-type]
+
+
+def test_completion_logprobs_legacy_shape(srv: Server) -> None:
+    client = _client(srv)
+    r = client.completions.create(model=TINY, prompt="Once", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert tok in top and len(top) <= 3 and max(top.values()) == pytest.approx(value)  # greedy: the best
+    echoed = client.completions.create(model=TINY, prompt="Once", max_tokens=6, temperature=0, logprobs=2, echo=True)
+    assert echoed.choices[0].logprobs.text_offset == [o + len("Once") for o in lp.text_offset]  # type: ignore[union-attr]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(model=TINY, prompt="Once", max_tokens=6,
+                                                                        temperature=0, logprobs=2, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens or []] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset or []] == lp.text_offset
+    assert client.completions.create(model=TINY, prompt="Once", max_tokens=2).choices[0].logprobs is None
+
+
+def test_n_choices(srv: Server) -> None:
+    client = _client(srv)
+    one = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    three = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=6, temperature=0, n=3)  # type: ignore[arg-type]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}  # greedy: all the same
+    assert three.usage.completion_tokens == 18 and three.usage.prompt_tokens == one.usage.prompt_tokens
+    sampled = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=8, temperature=1, seed=7, n=3)  # type: ignore[arg-type]
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1  # seed + i per choice
+    again = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=8, temperature=1, seed=7, n=3)  # type: ignore[arg-type]
+    assert [c.message.content for c in again.choices] == texts  # and each is reproducible
+    parts: dict[int, str] = {}
+    finished = set()
+    stream = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=8, temperature=1, seed=7, n=3,  # type: ignore[arg-type]
+                                            stream=True, stream_options={"include_usage": True})
+    for c in stream:
+        for ch in c.choices:
+            parts[ch.index] = parts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finished.add(ch.index)
+        if not c.choices:
+            assert c.usage is not None and c.usage.completion_tokens == sampled.usage.completion_tokens
+    assert [parts[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    legacy = client.completions.create(model=TINY, prompt="Once", max_tokens=4, temperature=0, n=2, logprobs=1)
+    assert [c.index for c in legacy.choices] == [0, 1] and legacy.choices[0].text == legacy.choices[1].text
+    assert legacy.choices[1].logprobs.tokens == legacy.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError, match="n must be an integer from 1 to 16"):
+            client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=2, n=n)  # type: ignore[arg-type]
+
+
+def test_logit_bias(srv: Server) -> None:
+    """OpenAI's {"token id": bias}: -100 bans, +100 picks, in greedy mode; out of range or unknown ids → 400."""
+    client = _client(srv)
+
+    def first(bias: dict[str, int]) -> int:
+        r = client.chat.completions.create(model=TINY, messages=MSGS, max_tokens=1, temperature=0, logprobs=True,  # type: ignore[arg-type]
+                                           logit_bias=bias)
+        return int((r.choices[0].logprobs.content[0].model_extra or {})["id"])  # type: ignore[index,union-attr]
+
+    best = first({})
+    other = 300 if best != 300 else 301
+    assert first({str(best): -100}) != best
+    assert first({str(other): 100}) == other
+    for bad, why in (({str(other): 101}, "from -100 to 100"), ({"999999": 5}, "vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            first(bad)

@@ -13,7 +13,7 @@ from tinymodel import make_tiny_gguf
 
 from localllm.errors import InvalidInput, Overloaded
 from localllm.runtime.engine import Engine
-from localllm.runtime.pool import FOREVER, ModelPool, ModelSpec, parse_keep_alive
+from localllm.compose.pool import FOREVER, ModelPool, ModelSpec, parse_keep_alive
 from localllm.runtime.types import GenerationParams, Request
 
 

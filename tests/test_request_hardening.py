@@ -15,7 +15,7 @@ import pytest
 from helpers import TINY, Server, start_server, wait_idle
 
 from localllm.errors import InvalidInput
-from localllm.runtime.pool import parse_keep_alive
+from localllm.compose.pool import parse_keep_alive
 from localllm.runtime.sampling import MAX_GRAMMAR_DEPTH, check_grammar, json_depth
 from localllm.runtime.types import GenerationParams
 

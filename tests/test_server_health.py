@@ -13,16 +13,16 @@ from helpers import TINY, start_server
 
 
 def test_health_says_loading_while_the_pool_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import localllm.runtime.engine as engine_mod
+    import localllm.runtime.runner as runner_mod
 
-    real, gate, entered = engine_mod.Engine, threading.Event(), threading.Event()
+    real, gate, entered = runner_mod.Runner, threading.Event(), threading.Event()
 
     def slow_engine(*args: Any, **kwargs: Any) -> Any:
         entered.set()
         gate.wait(20)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "Engine", slow_engine)  # default_pool imports it when the app is built
+    monkeypatch.setattr(runner_mod, "Runner", slow_engine)  # compose.pool.engine_factory imports it at app build
     info, server, thread = start_server(tmp_path)
     try:
         assert httpx.get(info.url + "/health").json() == {"status": "ok"}  # nothing loaded, nothing loading

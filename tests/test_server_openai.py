@@ -126,8 +126,8 @@ def test_errors_have_openai_shape(client: openai.OpenAI, srv: Server) -> None:
              json.dumps({"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}).encode(),
              json.dumps({"model": TINY, "messages": [], "max_tokens": 2}).encode(),
              json.dumps({"model": "../../etc/passwd", "messages": MSGS}).encode(),
-             json.dumps({"model": TINY, "messages": MSGS, "n": 3}).encode(),
-             json.dumps({"model": TINY, "messages": MSGS, "logprobs": True}).encode(),
+             json.dumps({"model": TINY, "messages": MSGS, "n": 17}).encode(),
+             json.dumps({"model": TINY, "messages": MSGS, "top_logprobs": 3}).encode(),
              json.dumps({"model": TINY, "messages": MSGS, "response_format": {"type": "json_schema"}}).encode()]
     for body in cases:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)

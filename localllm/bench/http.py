@@ -146,7 +146,7 @@ def one_request_plain(target: Target, prompt: str, n: int) -> Result:
         conn.close()
 
 
-def _client(n: int) -> httpx.AsyncClient:
+def http_client(n: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
                              limits=httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4))
 
@@ -165,9 +165,9 @@ async def _single(target: Target, gen: int, engine: Any = None) -> tuple[float, 
     return best.decode_tps, best.server_tps, best_engine
 
 
-async def _load(target: Target, clients: int, gen: int, per_client: int) -> dict[str, Any]:
+async def load_round(target: Target, clients: int, gen: int, per_client: int) -> dict[str, Any]:
     """`clients` concurrent clients, each sending `per_client` requests back to back."""
-    async with _client(clients) as c:
+    async with http_client(clients) as c:
         async def worker(i: int) -> list[Result]:
             out = []
             for r in range(per_client):
@@ -234,10 +234,11 @@ def _tail(log: Any, n: int = 1500) -> str:
 
 
 @contextlib.contextmanager
-def localllm_server(*, threads: int, ctx: int, slots: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def localllm_server(*, threads: int, ctx: int, slots: int,
+                    extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     env = dict(os.environ, LOCALLLM_SLOTS=str(slots), LOCALLLM_THREADS=str(threads), LOCALLLM_CTX=str(ctx),
-               LOCALLLM_HOST=f"127.0.0.1:{port}", LOCALLLM_KEEP_ALIVE="-1")
+               LOCALLLM_HOST=f"127.0.0.1:{port}", LOCALLLM_KEEP_ALIVE="-1", **(extra_env or {}))
     env.pop("LOCALLLM_API_KEY", None)
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "localllm", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -298,7 +299,7 @@ def open_engine(path: Path, kwargs: dict[str, Any]) -> tuple[Any, list[int]]:
 
 
 # ---- the benchmark --------------------------------------------------------------------------------
-def _model_file(model: str) -> Path:
+def model_file(model: str) -> Path:
     from localllm.models.store import Store
 
     return Path(Store().model_path(model))
@@ -308,7 +309,7 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
         vs_llama_cpp_server: bool = True, per_client: int = 2, log: Any = None) -> dict[str, Any]:
     """The whole comparison; `model` is an installed name. Returns a JSON-able dict (see `print_table`)."""
     say = log or (lambda msg: None)
-    path = _model_file(model)
+    path = model_file(model)
     slots = max(clients)
     from localllm.compose.spec import engine_kwargs
     from localllm.models.gguf_meta import model_info
@@ -348,7 +349,7 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
 
 async def _measure(target: Target, clients: list[int], gen: int, per_client: int, say: Any,
                    engine: Any = None) -> dict[str, Any]:
-    async with _client(1) as c:  # warm-up: loads the model (localllm loads lazily), allocates graphs
+    async with http_client(1) as c:  # warm-up: loads the model (localllm loads lazily), allocates graphs
         await one_request(c, target, "Hello", 4)
     tps, server_tps, engine_tps = await _single(target, gen, engine)
     out: dict[str, Any] = {"single_decode_tps": tps, "single_decode_tps_server_reported": server_tps, "load": {}}
@@ -356,7 +357,7 @@ async def _measure(target: Target, clients: list[int], gen: int, per_client: int
         out["engine_single_decode_tps"] = engine_tps
     for k in clients:
         say(f"  {target.label}: {k} clients...")
-        out["load"][str(k)] = await _load(target, k, gen, per_client)
+        out["load"][str(k)] = await load_round(target, k, gen, per_client)
     return out
 
 
@@ -401,14 +402,14 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
     import psutil
 
     say = log or (lambda msg: None)
-    _model_file(model)  # an unknown name fails here, before a server starts
+    model_file(model)  # an unknown name fails here, before a server starts
     with localllm_server(threads=threads, ctx=ctx, slots=clients) as (base, proc):
         target = Target("localllm", base, model, "localllm")
-        ps = psutil.Process(proc.pid)
+        ps = _Tree(psutil.Process(proc.pid))  # the server and its runner processes together
         rss: dict[str, float] = {}
 
         async def go() -> dict[str, Any]:
-            async with _client(1) as c:
+            async with http_client(1) as c:
                 await one_request(c, target, "Hello", 4)  # the model is loaded before "start"
             rss["start_mb"] = ps.memory_info().rss / 2**20
             done, errors, tokens, first_errors, timeline = 0, 0, 0, [], [round(rss["start_mb"], 1)]
@@ -440,7 +441,7 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
                         rss["middle_mb"] = mb
                     say(f"  {k * 10}%: {done} requests, {errors} errors, RSS {mb:.0f} MB")
 
-            async with _client(clients) as c:
+            async with http_client(clients) as c:
                 await asyncio.gather(sampler(), *(worker(i, c) for i in range(clients)))
             wall = time.monotonic() - t0
             rss["end_mb"] = ps.memory_info().rss / 2**20
@@ -455,12 +456,28 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
         return asyncio.run(go())
 
 
+class _Tree:
+    """A process and its children as one memory figure (the models live in runner processes)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def memory_info(self) -> Any:
+        import psutil
+
+        total = self.proc.memory_info().rss
+        for child in self.proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += child.memory_info().rss
+        return type("Mem", (), {"rss": total})()
+
+
 def print_soak(res: dict[str, Any]) -> None:
     r = res["rss_mb"]
     print(f"soak {res['model']}: {res['clients']} clients for {res['seconds']} s, {res['gen']} tokens/request, "
           f"{res['threads']} threads\n  requests: {res['requests']}  errors: {res['errors']}  "
           f"tokens: {res['tokens']} ({res['aggregate_tps']:.1f} tok/s)\n"
-          f"  server RSS MB: start {r['start_mb']:.0f} / middle {r.get('middle_mb', float('nan')):.0f} / "
+          f"  server + runners RSS MB: start {r['start_mb']:.0f} / middle {r.get('middle_mb', float('nan')):.0f} / "
           f"end {r['end_mb']:.0f} (every tenth: {', '.join(f'{x:.0f}' for x in res['rss_timeline_mb'])})")
     print(f"  requests done at each tenth: {', '.join(str(x) for x in res['requests_timeline'])}")
     for e in res["first_errors"]:

@@ -47,7 +47,7 @@ class SettingError(click.ClickException):
 
 
 def _check_keep_alive(value: Any) -> None:
-    from localllm.runtime.pool import parse_keep_alive
+    from localllm.compose.pool import parse_keep_alive
 
     parse_keep_alive(value)
 
@@ -81,6 +81,11 @@ class Setting(click.ParamType):
         self.setting = setting
         kind = rule(setting).kind
         self.name = {"int": "integer", "bool": "boolean", "strs": "list", "str": "text"}.get(kind, kind)
+        self.choices = rule(setting).choices
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str | None:
+        # a choice setting shows its values, as click.Choice does: --cpu-kernels [auto|all|no-amx|none]
+        return f"[{'|'.join(self.choices)}]" if self.choices else None
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from localllm.config import parse_setting

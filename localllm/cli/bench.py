@@ -39,6 +39,8 @@ def _given(param: str) -> bool:
               help="With --http: concurrent client counts.")
 @click.option("--vs-llama-cpp-server/--no-vs-llama-cpp-server", default=True, show_default=True,
               help="With --http: also load llama-cpp-python's own server (if installed).")
+@click.option("--vs-inline", is_flag=True, help="With --http: instead, runner processes against the engine inside "
+              "the server (runners = false), alternating rounds: what the process split costs.")
 @click.option("--spec", is_flag=True, help="Instead: decode speed with and without speculative decoding "
               "(prompt lookup, and a draft model with --draft).")
 @click.option("--draft", help="With --spec: a draft model (same tokenizer as MODEL).")
@@ -53,7 +55,7 @@ def _given(param: str) -> bool:
               "(--ctx defaults to 1024 here).")
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
-          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, soak: float | None, spec: bool,
+          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
@@ -102,6 +104,12 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
             raise InvalidInput("--http needs an installed model name (the server serves the store), not a file")
         counts = clients  # IntList: sorted, each >= 1
         say = lambda m: click.echo(m, err=True)  # progress on stderr, results on stdout
+        if vs_inline and not soak:
+            from localllm.bench import runners as bench_runners
+
+            res = bench_runners.run(model, clients=counts, gen=gen, threads=threads or 2, ctx=ctx, log=say)
+            click.echo(json.dumps(res, indent=2)) if as_json else bench_runners.print_table(res)
+            return
         if soak:
             res = bench_http.soak(model, seconds=soak, clients=max(counts), threads=threads or 2, ctx=ctx, log=say)
         else:

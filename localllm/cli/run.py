@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from localllm.cli import Number, Setting
+from localllm.cli import Number, Setting, load_settings
 from localllm.errors import InvalidInput
 
 
@@ -99,9 +99,12 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
 @click.option("--lookup", is_flag=True, help="Speculative decoding by prompt lookup; runs in-process.")
 @click.option("--draft-max", type=Setting("draft_max"), default=16, show_default=True,
               help="Most tokens drafted per step, 0-64.")
+@click.option("--cpu-kernels", type=Setting("cpu_kernels"), help="llama.cpp CPU kernels: auto, all, no-amx "
+              "or none (LOCALLLM_CPU_KERNELS; see `localllm doctor`).")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
-        verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int) -> None:
+        verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int,
+        cpu_kernels: str | None) -> None:
     """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
 
     \b
@@ -111,7 +114,8 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
       localllm run ./model.gguf          (terminal chat UI)
 
     With a PROMPT, a `localllm serve` answering at the configured address (LOCALLLM_HOST) runs it, so
-    the model stays loaded between runs; --slots/--threads/--gpu-layers/--kv-type then are the server's.
+    the model stays loaded between runs; --slots/--threads/--gpu-layers/--kv-type/--cpu-kernels then are
+    the server's.
     --draft and --lookup (speculative decoding) run in this process.
     """
     from localllm.runtime.engine import Engine
@@ -126,7 +130,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     if prompt is None:  # a terminal and no prompt: the chat UI
         from localllm.cli.chat import open_chat
 
-        open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx)
+        open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx, cpu_kernels=cpu_kernels)
         return
     from localllm.compose.formats import file_format, raw_format
     from localllm.compose.requests import Options, RequestBuilder
@@ -134,7 +138,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     from localllm.models.gguf_meta import model_info
 
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              kv_type=kv_type)
+                              kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels)
     if draft or lookup:
         from localllm.runtime.speculative import SpecConfig
 

@@ -3,20 +3,76 @@
 from __future__ import annotations
 
 import json
+import signal
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import click
 
-from localllm.cli import Setting, load_settings
+from localllm.cli import SETTING_CHECKS, Setting, load_settings
+from localllm.errors import LocalLLMError
+
+
+# ---- what config.py (a leaf) cannot check about the server's defaults ------------------------------
+def _check_model(value: Any) -> None:
+    from localllm.models.store import Store
+
+    if Store().get(str(value)) is None:
+        raise ValueError(f"model {value!r} is not installed (see `localllm list`; `localllm pull {value}` installs it)")
+
+
+def _check_n_predict(value: Any) -> None:
+    if value == 0:
+        raise ValueError("n_predict 0 is not a default: use -1 (until the model stops) or a positive integer")
+
+
+def _check_template(value: Any) -> None:
+    """A built-in template name, or a Jinja file that renders a one-message chat."""
+    from localllm.runtime.templates import BUILTIN_TEMPLATES, render_chat
+
+    if str(value).lower() in BUILTIN_TEMPLATES:
+        return
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat template {value!r} is neither a built-in template "
+                         f"({', '.join(BUILTIN_TEMPLATES)}) nor a file")
+    try:
+        source = path.read_text(encoding="utf-8")
+        render_chat(source, [{"role": "user", "content": "hi"}], add_generation_prompt=True, bos_token="",
+                    eos_token="")
+    except Exception as exc:  # noqa: BLE001 - any failure means the file is not usable: say why
+        why = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        raise ValueError(f"{path} is not a usable chat template: {why}") from None
+
+
+SERVE_CHECKS: dict[str, Callable[[Any], None]] = {**SETTING_CHECKS, "model": _check_model,
+                                                  "n_predict": _check_n_predict, "chat_template": _check_template}
+
+
+def _flag_check(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback running SERVE_CHECKS[name] on a flag's value: a bad one is a usage error (exit 2)."""
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None:
+            try:
+                SERVE_CHECKS[name](value)
+            except (ValueError, LocalLLMError) as exc:
+                raise click.BadParameter(getattr(exc, "message", None) or str(exc), ctx, param) from None
+        return value
+
+    return callback
 
 
 def _settings(host: str | None, port: int | None, **more: Any) -> Any:
     import dataclasses
 
-    s = load_settings()  # LOCALLLM_HOST works like OLLAMA_HOST: host, host:port or :port; every value checked
+    from localllm.config import load_settings as load
+
+    # LOCALLLM_HOST works like OLLAMA_HOST: host, host:port or :port; every value checked, LOCALLLM_MODEL too
+    s = load(checks=SERVE_CHECKS)
     changes: dict[str, Any] = {}
     if host:
         changes["host"] = host
@@ -35,8 +91,31 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
               "or 'auto' for the catalog's pairing when it is installed (LOCALLLM_DRAFT).")
 @click.option("--lookup/--no-lookup", default=None, help="Speculative decoding by prompt lookup (LOCALLLM_LOOKUP).")
 @click.option("--draft-max", type=Setting("draft_max"), help="Most tokens drafted per step, 0-64 (default 16).")
+@click.option("--cpu-kernels", type=Setting("cpu_kernels"), help="llama.cpp CPU kernels: auto (AMX kept out where "
+              "it would be used), all, no-amx or none (LOCALLLM_CPU_KERNELS; see `localllm doctor`).")
+@click.option("-m", "--model", type=Setting("model"), callback=_flag_check("model"),
+              help="The default model: loaded at start (/health says 503 until it is) and kept loaded; requests "
+              "that name no model go to it, and OpenAI requests naming one that is not installed "
+              "(LOCALLLM_MODEL).")
+@click.option("-c", "--ctx-size", "ctx", type=Setting("ctx"), help="Context size in tokens, in total: one KV cache "
+              "shared by all slots, and one request may use all of it (llama-server's -c with --kv-unified). "
+              "Default: what fits in memory (LOCALLLM_CTX).")
+@click.option("-np", "--parallel", "--slots", "slots", type=Setting("slots"),
+              help="Slots: requests generated at the same time, 1-256 (default 4, LOCALLLM_SLOTS).")
+@click.option("-n", "--n-predict", "n_predict", type=Setting("n_predict"), callback=_flag_check("n_predict"),
+              help="Default most tokens per reply for requests that set none; -1: until the model stops "
+              "(the default; LOCALLLM_N_PREDICT).")
+@click.option("--temp", "--temperature", "temperature", type=Setting("temperature"),
+              help="Default temperature for requests that set none, >= 0; 0 is greedy (default 0.8, "
+              "LOCALLLM_TEMPERATURE).")
+@click.option("-s", "--seed", type=Setting("seed"),
+              help="Default sampling seed for requests that set none; -1: random (the default; LOCALLLM_SEED).")
+@click.option("--chat-template", type=Setting("chat_template"), callback=_flag_check("chat_template"),
+              help="Chat template for every model instead of its own: a built-in name (chatml, gemma, llama3, "
+              "mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
-          draft_max: int | None) -> None:
+          draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None, slots: int | None,
+          n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -45,9 +124,12 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
       LOCALLLM_HOST=127.0.0.1:8080 localllm serve
       localllm serve --port 8012        (point llama.vim's g:llama_config.endpoint here)
       localllm serve --lookup --draft auto
+      localllm serve -m qwen2.5-coder:1.5b --temp 0 -n 128 -c 8192
     """
     # every setting is checked here, before the server is imported, built or bound
-    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max)
+    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max, cpu_kernels=cpu_kernels,
+                         model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
+                         chat_template=chat_template)
 
     import uvicorn
 
@@ -57,8 +139,23 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
         click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
                     fg="yellow", err=True)
     app = create_app(settings)
-    click.echo(f"localllm listening on http://{settings.host}:{settings.port}", err=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    failed: list[str] = []
+
+    def fatal(message: str) -> None:  # the default model cannot load: stop, as llama-server does
+        failed.append(message)
+        signal.raise_signal(signal.SIGINT)  # uvicorn.run owns the server: its own graceful shutdown
+
+    if getattr(app, "state", None) is not None:
+        app.state.on_fatal = fatal
+    click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
+               + (f" (loading {settings.model})" if settings.model else ""), err=True)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+        if not failed:
+            raise
+    if failed:
+        raise LocalLLMError(failed[0], "check the model with `localllm show`, or pull it again")
 
 
 def _fmt_size(n: int) -> str:
@@ -95,7 +192,7 @@ def ps(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    rows = [("NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    rows = [("NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "RUNNER")]
     for m in data.get("models", []):
         until = m.get("expires_at") or ""
         try:
@@ -103,7 +200,14 @@ def ps(as_json: bool) -> None:
         except ValueError:
             pass
         rows.append((m["name"], _fmt_size(m.get("size", 0)), processor(m.get("size", 0), m.get("size_vram", 0)),
-                     str(m.get("context_length") or ""), until))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                     str(m.get("context_length") or ""), until, _runner(m.get("runner"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _runner(info: Any) -> str:
+    """`pid 4242`, or `crashed` (the next request starts a fresh runner); empty for an in-process engine."""
+    if not isinstance(info, dict):
+        return ""
+    return "crashed" if info.get("state") == "crashed" else f"pid {info.get('pid')}"

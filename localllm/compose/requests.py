@@ -17,20 +17,22 @@ through them) — calls this; none renders a template or tokenizes on its own. I
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from localllm.compose.formats import ChatFormat
 from localllm.errors import InvalidInput
 from localllm.runtime.prefix_cache import common_prefix
 from localllm.runtime.templates import fim_prompt, truncate_history
-from localllm.runtime.types import CONTEXT_POLICIES, GenerationParams, Request
+from localllm.runtime.types import CONTEXT_POLICIES, MAX_N_PROBS, GenerationParams, Request
 
 # sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)
 PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
               "frequency_penalty", "seed")
 MAX_TOKENS_PER_CTX = 4  # a request generates at most this many context-fulls of tokens
+MAX_CHOICES = 16  # `n`: choices of one request (each takes a slot; more wait their turn)
 # speculative decoding per request: Ollama-style option name, llama-server's flat `speculative.*` keys
 DRAFT_KEYS = {"draft_num_predict": "draft_max", "speculative.n_max": "draft_max",
               "speculative.n_min": "draft_min", "speculative.p_min": "draft_p_min"}
@@ -52,14 +54,31 @@ class Options:
     n_keep_name: str = "n_keep"
     ignore_eos: bool = False
     draft: dict[str, Any] = field(default_factory=dict)  # DRAFT_KEYS values
+    # llama-server's [[token id or text, bias or false], ...] or OpenAI's {"token id": bias}; openai_bias:
+    # OpenAI's range, -100..100, where -100 bans the token
+    logit_bias: Any = None
+    openai_bias: bool = False
+    n_probs: Any = None  # None: no probabilities; 0: the chosen token's; k: and the k most likely
+    n_probs_name: str = "n_probs"
+    post_sampling_probs: Any = False
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Server-wide defaults (`serve --temp/--seed/--n-predict`, as llama-server's flags): what a request
+    gets for an option it leaves unset (None). Checked when the server starts, so never a client's error."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)  # PARAM_KEYS values
+    max_tokens: int | None = None  # None / -1: until the model stops
 
 
 class RequestBuilder:
     """Requests for one loaded model. `model` needs tokenize(text, add_special=, parse_special=) and n_ctx
-    (an Engine, or anything that answers for one)."""
+    (an Engine, or anything that answers for one); `defaults` fill the options a request leaves unset."""
 
-    def __init__(self, fmt: ChatFormat, model: Any) -> None:
+    def __init__(self, fmt: ChatFormat, model: Any, defaults: Defaults | None = None) -> None:
         self.fmt, self.model = fmt, model
+        self.defaults = defaults or Defaults()
 
     def chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None = None,
              policy: str = "shift") -> Request:
@@ -78,11 +97,13 @@ class RequestBuilder:
         return self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy,
                              truncate=self._truncator(messages, extra) if truncatable else None)
 
-    def prompt(self, text: str | list[int], options: Options, *, system: str | None = None, template: bool = False,
-               policy: str = "error") -> Request:
-        """A prompt: sent as it is (token ids, or text with BOS as the GGUF asks), or with `template` as the
-        one user message of a chat (Ollama /api/generate without `raw`, `localllm run` without --raw)."""
-        if isinstance(text, str) and not text:
+    def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
+               template: bool = False, policy: str = "error") -> Request:
+        """A prompt: sent as it is (token ids, text with BOS as the GGUF asks, or pieces of both), or with
+        `template` as the one user message of a chat (Ollama /api/generate without `raw`, `localllm run`
+        without --raw). Pieces are tokenized as llama-server's tokenize_mixed does: each string with special
+        tokens parsed, BOS only when the first piece is a string, token ids as given."""
+        if not text:
             raise InvalidInput("prompt is empty", "send the text to complete")
         if template and isinstance(text, str) and self.fmt.template is not None:
             # one turn: nothing for truncate_history to drop, so it falls back to a shift as before
@@ -91,6 +112,8 @@ class RequestBuilder:
                               truncatable=False)
         if isinstance(text, str):
             text = self._tokens(text)
+        elif any(isinstance(p, str) for p in text):
+            text = self._pieces(text)
         return self._request(list(text), options, stops=[], n_keep=0, policy=policy)
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),
@@ -102,6 +125,19 @@ class RequestBuilder:
     # ---- the parts -------------------------------------------------------------------------------
     def _tokens(self, text: str) -> list[int]:
         return list(self.model.tokenize(text, add_special=True, parse_special=True))
+
+    def _pieces(self, pieces: list[int | str]) -> list[int]:
+        out: list[int] = []
+        for i, p in enumerate(pieces):
+            if isinstance(p, str):  # BOS (add_special) only for a leading string, as in llama-server
+                out += self.model.tokenize(p, add_special=i == 0, parse_special=True)
+            else:
+                out.append(p)
+        return out
+
+    def _bias_tokens(self, text: str) -> list[int]:
+        # llama-server tokenizes a logit_bias string as plain text: no BOS, special tokens not parsed
+        return list(self.model.tokenize(text, add_special=False, parse_special=False))
 
     def _truncator(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> Callable[[int], str | None]:
         """The engine's truncate_history hook: re-render without the oldest turns until the prompt fits."""
@@ -120,8 +156,16 @@ class RequestBuilder:
             if isinstance(o.n_keep, bool) or not isinstance(o.n_keep, int) or o.n_keep < -1:
                 raise InvalidInput(f"{o.n_keep_name} must be an integer >= -1, got {o.n_keep!r}")
             n_keep = o.n_keep
-        return Request(prompt, params_from(o.sampling),
-                       max_tokens=max_tokens_for(o.max_tokens, int(self.model.n_ctx), o.max_tokens_name),
+        d = self.defaults  # the server's default for each option the request leaves unset
+        sampling = {**d.sampling, **{k: v for k, v in o.sampling.items() if v is not None}}
+        limit = o.max_tokens if o.max_tokens is not None else d.max_tokens
+        params = params_from(sampling)
+        params.logit_bias = logit_bias_pairs(o.logit_bias, self._bias_tokens, openai=o.openai_bias)
+        if not isinstance(o.post_sampling_probs, bool):
+            raise InvalidInput(f"post_sampling_probs must be true or false, got {o.post_sampling_probs!r}")
+        return Request(prompt, params, n_probs=n_probs_for(o.n_probs, o.n_probs_name),
+                       post_sampling_probs=o.post_sampling_probs,
+                       max_tokens=max_tokens_for(limit, int(self.model.n_ctx), o.max_tokens_name),
                        stop=stop_list(o.stop) + list(stops), grammar=o.grammar,
                        json_schema=o.json_schema if o.json_schema is not None else json_format(o.format),
                        context_policy=context_policy(o.context_policy, policy),  # type: ignore[arg-type]
@@ -147,6 +191,79 @@ def params_from(values: dict[str, Any]) -> GenerationParams:
     if problems:
         raise InvalidInput("; ".join(problems))
     return p
+
+
+def logit_bias_pairs(value: Any, tokenize: Callable[[str], list[int]], *, openai: bool = False,
+                     name: str = "logit_bias") -> list[tuple[int, float]]:
+    """(token id, bias) pairs from llama-server's list of [token id or text, bias] pairs or an object
+    {"token id or text": bias}. A text means each of its tokens; a bias of false bans (-inf), as does
+    OpenAI's -100 (openai=True also holds biases to OpenAI's -100..100). Ids are range-checked by the
+    engine, which knows the vocabulary."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = []
+        for i, pair in enumerate(value):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise InvalidInput(f"{name}[{i}] must be a [token, bias] pair, got {pair!r}")
+            items.append((pair[0], pair[1]))
+    else:
+        raise InvalidInput(f"{name} must be an object {{\"token id\": bias}} or a list of [token, bias] pairs")
+    out: list[tuple[int, float]] = []
+    for key, bias in items:
+        if bias is False:
+            b = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidInput(f"{name}: the bias of {key!r} must be a finite number or false, got {bias!r}")
+        elif openai and not -100 <= bias <= 100:
+            raise InvalidInput(f"{name}: the bias of {key!r} must be from -100 to 100, got {bias!r}")
+        else:
+            b = float("-inf") if openai and bias <= -100 else float(bias)
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)  # OpenAI's keys are token ids written as strings
+        if isinstance(key, int) and not isinstance(key, bool):
+            if key < 0:
+                raise InvalidInput(f"{name}: token id {key} is negative")
+            out.append((key, b))
+        elif isinstance(key, str):
+            out += [(t, b) for t in tokenize(key)]
+        else:
+            raise InvalidInput(f"{name}: a token must be an id or a text, got {key!r}")
+    return out
+
+
+def n_probs_for(value: Any, name: str = "n_probs") -> int | None:
+    """How many most likely tokens to report per generated token (None: no probabilities at all)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_N_PROBS:
+        raise InvalidInput(f"{name} must be an integer from 0 to {MAX_N_PROBS}, got {value!r}")
+    return value
+
+
+def n_choices(n: Any, name: str = "n") -> int:
+    """How many choices a request asks for (None: one), checked before anything loads or runs."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise InvalidInput(f"{name} must be an integer from 1 to {MAX_CHOICES}, got {n!r}",
+                           f"send several requests for more than {MAX_CHOICES} choices")
+    return n
+
+
+def choices(request: Request, n: int) -> list[Request]:
+    """`n` requests for n choices of one prompt (the engine batches them), the first being `request`. With
+    a seed, choice i samples with seed + i, so choices differ under sampling and each is reproducible;
+    without one each draws its own."""
+    out = [request]
+    for i in range(1, n):
+        seed = request.params.seed
+        params = replace(request.params, seed=None if seed is None else (seed + i) & 0xFFFFFFFF,
+                         logit_bias=list(request.params.logit_bias))
+        out.append(replace(request, params=params, stop=list(request.stop), id=f"{request.id}-{i}"))
+    return out
 
 
 def max_tokens_for(value: Any, n_ctx: int, name: str = "max_tokens") -> int:

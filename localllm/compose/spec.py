@@ -9,32 +9,53 @@ machine's fit plan. The server, the CLI, the chat UI and the benches all get eng
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from pathlib import Path
 from typing import Any
 
-from localllm.compose.formats import ChatFormat, chat_format
-from localllm.compose.requests import RequestBuilder
+from localllm.compose.formats import ChatFormat, builtin_format, chat_format
+from localllm.compose.pool import ModelSpec
+from localllm.compose.requests import Defaults, RequestBuilder
 from localllm.errors import InvalidInput
-from localllm.runtime.pool import ModelSpec
 
 MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 
 
 def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
-                  gpu_layers: int | None = None, kv_type: str | None = None) -> tuple[dict[str, Any], Any]:
+                  gpu_layers: int | None = None, kv_type: str | None = None,
+                  cpu_kernels: str | None = None) -> tuple[dict[str, Any], Any]:
     """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
-    every value the caller gives overrides the plan's choice."""
+    every value the caller gives overrides the plan's choice. cpu_kernels: the setting, passed through
+    (the engine resolves "auto" with machine/kernels.py where the model loads)."""
     from localllm.machine.fit import plan_fit
 
     plan = plan_fit(info, **({"slots": slots} if slots else {}), want_ctx=ctx, gpu_layers=gpu_layers,
                     kv_type=kv_type, threads=threads)
-    return plan.engine_kwargs(), plan
+    return {**plan.engine_kwargs(), **({"cpu_kernels": cpu_kernels} if cpu_kernels else {})}, plan
 
 
 def details(info: Any) -> dict[str, Any]:
     """Ollama's `details` object for a model (tags, show, ps)."""
     return {"parent_model": "", "format": "gguf", "family": info.architecture, "families": [info.architecture],
             "parameter_size": info.parameter_label, "quantization_level": info.quant}
+
+
+def template_override(fmt: ChatFormat, value: str, model: Any) -> ChatFormat:
+    """`fmt` with the template `serve --chat-template` names instead of the model's own: a built-in
+    name (with its stop strings) or a Jinja file. The model's BOS/EOS text and FIM tokens stay."""
+    from localllm.runtime.templates import BUILTIN_TEMPLATES
+
+    if value.lower() in BUILTIN_TEMPLATES:
+        new = builtin_format(value.lower(), model)
+        return dataclasses.replace(fmt, template=new.template, template_name=new.template_name, stops=new.stops)
+    path = Path(value).expanduser()
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read the chat template file {path.name}: {exc.__class__.__name__}",
+                           "see --chat-template") from None
+    return dataclasses.replace(fmt, template=source, template_name=f"file:{path.name}", stops=[])
 
 
 def _int_option(options: dict[str, Any], key: str, lo: int = 1, hi: int = 1 << 30) -> int | None:
@@ -130,7 +151,7 @@ class Composer:
               n_batch: int | None) -> dict[str, Any]:
         s = self.settings
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
-                                 kv_type=s.kv_type)
+                                 kv_type=s.kv_type, cpu_kernels=getattr(s, "cpu_kernels", None))
         kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch
@@ -147,10 +168,19 @@ class Composer:
             fmt = self._formats.get(key)
         if fmt is None:
             fmt = chat_format(info, self.catalog.entry(man.name), getattr(engine, "model", None))
+            override = getattr(self.settings, "chat_template", None)
+            if override:  # the server's --chat-template, for every model it serves
+                fmt = template_override(fmt, override, getattr(engine, "model", None))
             with self._lock:
                 self._formats[key] = fmt
         return fmt
 
+    def defaults(self) -> Defaults:
+        """The server-wide request defaults from the settings (`serve --temp/--seed/--n-predict`)."""
+        s = self.settings
+        sampling = {k: getattr(s, k, None) for k in ("temperature", "seed")}
+        return Defaults({k: v for k, v in sampling.items() if v is not None}, getattr(s, "n_predict", None))
+
     def builder(self, name: str, engine: Any) -> RequestBuilder:
-        """The request builder for a loaded model (its engine) under its name."""
-        return RequestBuilder(self.chat_format(name, engine), engine)
+        """The request builder for a loaded model (its engine) under its name, with the server's defaults."""
+        return RequestBuilder(self.chat_format(name, engine), engine, self.defaults())

@@ -1,7 +1,9 @@
-"""`localllm doctor`: does the installed llama.cpp build fit the GPUs this machine has?
+"""`localllm doctor`: does the installed llama.cpp build fit the GPUs this machine has, and which CPU
+kernels will it use?
 
 `machine_facts()` looks at the machine (no llama_cpp), `runtime.devices.build_info()` at the build,
 and `diagnose()` is a pure function of the two, so the mismatch logic is testable with made-up facts.
+`cpu_kernels()` is machine/kernels.py's choice for the same facts and the cpu_kernels setting.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from localllm.machine import kernels
+from localllm.machine.probe import cpu_info
 
 PIN = "llama-cpp-python==0.3.36"
 REBUILD = 'CMAKE_ARGS="{flags}" pip install --force-reinstall --no-cache-dir ' + PIN
@@ -36,6 +41,8 @@ class MachineFacts:
     apple_silicon: bool = False
     vulkan_loader: str | None = None
     rocm: str | None = None  # install folder
+    cpu_model: str = ""
+    amx_flags: list[str] = field(default_factory=list)  # amx_tile / amx_int8 / amx_bf16 found in the CPU's flags
 
 
 @dataclass
@@ -47,6 +54,8 @@ class Finding:
 
 def machine_facts() -> MachineFacts:
     facts = MachineFacts(system=platform.system(), machine=platform.machine())
+    facts.cpu_model, flags = cpu_info()
+    facts.amx_flags = kernels.amx_flags(flags)
     facts.apple_silicon = facts.system == "Darwin" and facts.machine in ("arm64", "aarch64")
     facts.nvidia_smi = shutil.which("nvidia-smi")
     if facts.nvidia_smi:
@@ -126,13 +135,28 @@ def diagnose(build: dict[str, Any], facts: MachineFacts) -> list[Finding]:
     return out
 
 
-def report(build: dict[str, Any], facts: MachineFacts | None = None) -> dict[str, Any]:
-    """The doctor's report for a llama.cpp build (runtime.devices.build_info) on this machine."""
-    facts = facts or machine_facts()
+def cpu_kernels(build: dict[str, Any], facts: MachineFacts, setting: str = "auto",
+                verdict: str | None = None) -> dict[str, Any]:
+    """Which llama.cpp CPU kernels a model load would use here, and why (machine/kernels.py's choice)."""
+    info = str(build.get("system_info", ""))
+    choice = kernels.choose(facts.amx_flags, info, facts.system, setting, arch=facts.machine, verdict=verdict)
+    return {**choice.as_dict(), "guard_possible": kernels.guard_possible(facts.system, facts.machine)}
+
+
+def report(build: dict[str, Any], facts: MachineFacts | None = None, setting: str = "auto") -> dict[str, Any]:
+    """The doctor's report for a llama.cpp build (runtime.devices.build_info) on this machine;
+    `setting` is the cpu_kernels setting."""
+    verdict = None
+    if facts is None:  # this machine: a probe's remembered verdict counts too (keyed by every CPU flag)
+        facts = machine_facts()
+        if setting == "auto":
+            model, flags = cpu_info()
+            verdict = kernels.remembered(model, flags, str(build.get("system_info", "")))
     findings = diagnose(build, facts)
     return {
         "build": build,
         "machine": asdict(facts),
         "findings": [asdict(f) for f in findings],
         "ok": all(f.level in ("ok", "info") for f in findings),
+        "cpu_kernels": cpu_kernels(build, facts, setting, verdict),
     }

@@ -1,4 +1,4 @@
-"""What this machine has: system RAM, physical cores, GPU devices (nvidia-smi or Apple Silicon).
+"""What this machine has: system RAM, physical cores, CPU model and flags, GPUs (nvidia-smi or Apple Silicon).
 
 No llama_cpp here (see design.md): GPUs are found with `nvidia-smi` or the platform, or handed in by
 the caller, which may enumerate ggml's devices itself.
@@ -39,6 +39,29 @@ def physical_cores() -> int:
 
     # llama.cpp decodes fastest with one thread per physical core; hyperthreads add contention.
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")  # Intel AMX, as Linux names it in /proc/cpuinfo
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) of the first processor. Linux reads /proc/cpuinfo; elsewhere the
+    flags are empty (the kernel choice in machine/kernels.py then has nothing to fear)."""
+    model, flags = platform.processor() or platform.machine(), frozenset[str]()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key in ("flags", "Features"):  # x86 / arm64
+                    flags = frozenset(value.split())
+                elif not line.strip() and flags:  # the first processor is enough: they all match
+                    break
+    except OSError:
+        pass
+    return model, flags
 
 
 def _nvidia_smi() -> list[Device]:

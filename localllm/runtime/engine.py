@@ -44,17 +44,17 @@ class Engine:
 
     n_ctx is the unified KV cache shared by all slots (a multiple of 256; one request may use all
     of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
-    (0 disables it); histories shorter than min_park_tokens are not parked.
+    (0 disables it); histories shorter than min_park_tokens are not parked. cpu_kernels: llama.Model's.
     """
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
                  n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
                  kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
-                 spec: SpecConfig | None = None, name: str = "") -> None:
+                 spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto") -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap)
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels)
         n_batch = max(n_batch, slots)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
@@ -406,7 +406,7 @@ class Engine:
         for s, slot_rows, drafts, n0 in rows:
             job = s.job
             try:
-                out = verify(lambda r, job=job: job.chain.sample(self.ctx, r), slot_rows, drafts)
+                out = verify(lambda r, job=job: job.sample(self.ctx, r), slot_rows, drafts)
                 if drafts:
                     settle_drafts(self.ctx, s, n0, drafts, len(out) - 1, self._counters)
                 for tok in out:
@@ -465,7 +465,7 @@ class Engine:
             self._finish(s, "length", text=text, tokens=[tok])
         else:
             job.next_tokens = [tok]
-            job.stream.put(Chunk(text=text, tokens=[tok]))
+            job.stream.put(job.chunk(text, [tok]))
 
     def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
                 error: Exception | None = None) -> None:
@@ -487,8 +487,8 @@ class Engine:
         job.chain.close()
         s.job = None
         s.last_used = now
-        job.stream.put(Chunk(text=text, tokens=tokens or [], finish_reason=reason,  # type: ignore[arg-type]
-                             usage=job.usage(), timings=t, error=error))
+        job.stream.put(job.chunk(text, tokens or [], finish_reason=reason,  # probs, stop_word: runtime.slots
+                                 usage=job.usage(), timings=t, error=error))
 
     def _fail(self, s: Slot, exc: Exception) -> None:
         """One request failed: tell its stream, drop its sequence, keep serving the others."""

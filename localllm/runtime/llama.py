@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import threading
@@ -20,6 +21,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
+from localllm.runtime import cpu_guard
 
 # Placeholders for image/audio/video input in multimodal vocabularies (Gemma 3, Qwen2-VL, Llava, …). This
 # runtime feeds text only, so they can never be right output: a base gemma-3-270m asked "Write a haiku
@@ -95,17 +97,34 @@ def json_schema_to_gbnf(schema: str) -> str:
         raise InvalidInput(f"invalid JSON schema: {exc}") from exc
 
 
-class Model:
-    """A loaded GGUF model and its vocabulary. Read-only after load: safe to share between threads."""
+@functools.lru_cache(maxsize=1)
+def system_info() -> str:
+    """llama_print_system_info(): the CPU backend's compiled features ("AMX_INT8 = 1", "REPACK = 1", ...)."""
+    init_backend()
+    return (lc.llama_print_system_info() or b"").decode("utf-8", "replace")
 
-    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+
+class Model:
+    """A loaded GGUF model and its vocabulary. Read-only after load: safe to share between threads.
+
+    cpu_kernels: "auto" (machine/kernels.py: AMX kept out where it would be used), "all", "no-amx" or
+    "none"; `self.cpu_kernels` is the mode in effect and `self.cpu_kernels_reason` says why."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                 cpu_kernels: str = "auto") -> None:
         init_backend()
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
+        try:
+            choice = cpu_guard.choose(cpu_kernels, system_info())  # machine/kernels.py for this machine
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if use_mmap else lc.LLAMA_LOAD_MODE_NONE
+        self.cpu_kernels, self.cpu_kernels_reason = cpu_guard.start_load(choice.mode, choice.reason)
+        params.use_extra_bufts = self.cpu_kernels != "none"
         self._p = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._p:
             raise ModelLoadError(f"llama.cpp could not load {self.path.name}",
@@ -253,7 +272,9 @@ class SamplerChain:
         if not self._p:
             raise EngineError("could not create a sampler chain")
         self.greedy_only = False  # set by runtime.sampling when the chain is plain argmax
-        self.banned = np.empty(0, dtype=np.intp)  # tokens masked before the greedy fast path's argmax
+        # the logit biases (bans are -inf) the greedy fast path applies before its argmax
+        self.bias_ids = np.empty(0, dtype=np.intp)
+        self.bias_vals = np.empty(0, dtype=np.float32)
 
     def _add(self, smpl: Any, what: str) -> None:
         if not smpl:  # a NULL sampler in a chain segfaults on first use
@@ -262,11 +283,18 @@ class SamplerChain:
 
     def add_ban(self, n_vocab: int, tokens: list[int]) -> None:
         """Never sample `tokens` (logit bias -inf), whatever follows in the chain."""
-        self.banned = np.array(tokens, dtype=np.intp)  # indexed on every greedy token: converted once
-        if not tokens:
+        self.add_logit_bias(n_vocab, [(t, float("-inf")) for t in tokens])
+
+    def add_logit_bias(self, n_vocab: int, pairs: list[tuple[int, float]]) -> None:
+        """Add `bias` to each token's logit (-inf: never sampled); a token listed twice gets both.
+        Ids must be in 0..n_vocab-1 (llama.cpp does not check them)."""
+        if not pairs:
             return
-        biases = (lc.llama_logit_bias * len(tokens))(*[lc.llama_logit_bias(t, float("-inf")) for t in tokens])
-        self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(tokens), biases), "logit bias")
+        # kept as arrays for the greedy fast path, which indexes them on every token
+        self.bias_ids = np.concatenate([self.bias_ids, np.array([t for t, _ in pairs], dtype=np.intp)])
+        self.bias_vals = np.concatenate([self.bias_vals, np.array([b for _, b in pairs], dtype=np.float32)])
+        biases = (lc.llama_logit_bias * len(pairs))(*[lc.llama_logit_bias(t, b) for t, b in pairs])
+        self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(pairs), biases), "logit bias")
 
     def add_greedy(self) -> None:
         self._add(lc.llama_sampler_init_greedy(), "greedy")
@@ -308,10 +336,34 @@ class SamplerChain:
             if not ptr:
                 raise EngineError(f"no logits for batch row {row}")
             logits = np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,))
-            if self.banned.size:
-                logits[self.banned] = -np.inf  # this row's buffer is overwritten by the next decode
-            return int(logits.argmax())
+            if not self.bias_ids.size:
+                return int(logits.argmax())
+            # biased in place and restored after: the row stays the model's own (runtime.probs reads it)
+            saved = logits[self.bias_ids]
+            np.add.at(logits, self.bias_ids, self.bias_vals)
+            tok = int(logits.argmax())
+            logits[self.bias_ids] = saved
+            return tok
         return int(lc.llama_sampler_sample(self._p, ctx._p, row))
+
+    def sample_candidates(self, ctx: Context, row: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Sample like sample() (same chain, same random draws) and also return the candidates the chain
+        left and their probabilities after it (token ids, p), as llama_sampler_sample computes them."""
+        logits = ctx.logits_row(row)
+        n = logits.shape[0]
+        cand = np.empty(n, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        cand["id"] = np.arange(n, dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = lc.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), n, -1, False)
+        lc.llama_sampler_apply(self._p, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise EngineError("the sampler chain selected no token")
+        data = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
+                                     shape=(arr.size * cand.itemsize,)).view(cand.dtype)
+        tok = int(data["id"][arr.selected])
+        lc.llama_sampler_accept(self._p, tok)
+        return tok, data["id"].copy(), data["p"].copy()
 
     def reset(self) -> None:
         lc.llama_sampler_reset(self._p)

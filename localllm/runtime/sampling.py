@@ -12,7 +12,7 @@ from typing import Any
 
 from localllm.errors import InvalidInput
 from localllm.runtime.llama import Model, SamplerChain, json_schema_to_gbnf
-from localllm.runtime.types import GenerationParams, Request
+from localllm.runtime.types import MAX_N_PROBS, GenerationParams, Request
 
 
 def validate(req: Request) -> None:
@@ -35,6 +35,9 @@ def validate(req: Request) -> None:
         problems.append("stop must be a list of non-empty strings")
     if req.grammar is not None and req.json_schema is not None:
         problems.append("give grammar or json_schema, not both")
+    if req.n_probs is not None and (isinstance(req.n_probs, bool) or not isinstance(req.n_probs, int)
+                                    or not 0 <= req.n_probs <= MAX_N_PROBS):
+        problems.append(f"n_probs must be an integer from 0 to {MAX_N_PROBS}, got {req.n_probs!r}")
     if problems:
         raise InvalidInput("; ".join(problems))
 
@@ -131,9 +134,14 @@ def lc_free_penalties(p: GenerationParams) -> bool:
 
 def build_chain(model: Model, params: GenerationParams, gbnf: str | None = None) -> SamplerChain:
     """A fresh chain for one request; the caller owns it (close() when done)."""
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < model.n_vocab]
+    if bad:
+        raise InvalidInput(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{model.n_vocab - 1})")
     chain = SamplerChain()
     try:
-        chain.add_ban(model.n_vocab, model.media_tokens)  # text in, text out: no image placeholders
+        # text in, text out: no image placeholders; then the request's own biases
+        chain.add_logit_bias(model.n_vocab, [(t, float("-inf")) for t in model.media_tokens]
+                             + [(int(t), float(b)) for t, b in params.logit_bias])
         if gbnf is not None:
             chain.add_grammar(model, gbnf)
         p = params

@@ -6,12 +6,14 @@ import codecs
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from localllm.runtime.llama import SamplerChain
+from localllm.runtime import probs as token_probs
+from localllm.runtime.llama import Context, SamplerChain
 from localllm.runtime.speculative import SpecState
-from localllm.runtime.types import Chunk, Notice, Request, Timings, Usage
+from localllm.runtime.types import Chunk, Notice, Request, Timings, TokenProbs, Usage
 
 
 class StopMatcher:
@@ -20,6 +22,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.buf = ""
+        self.matched: str | None = None  # the stop string that was hit (llama-server's stopping_word)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit)."""
@@ -30,7 +33,7 @@ class StopMatcher:
         for s in self.stops:
             i = self.buf.find(s)
             if i >= 0 and (hit < 0 or i < hit):
-                hit = i
+                hit, self.matched = i, s  # the earliest match wins; at one position, the first listed
         if hit >= 0:
             out, self.buf = self.buf[:hit], ""
             return out, True
@@ -57,12 +60,32 @@ class StreamState:
         self.cancelled = threading.Event()
         self.done = False
         self.slot: int | None = None  # set by the scheduler when it admits the request, before any chunk
+        self._sink: Callable[[Chunk], None] | None = None
+        self._lock = threading.Lock()
 
     def put(self, chunk: Chunk) -> None:
-        self.queue.put(chunk)
-        if chunk.finish_reason is not None:
-            self.done = True
-            self.queue.put(None)  # end of stream
+        with self._lock:
+            if chunk.finish_reason is not None:
+                self.done = True
+            if self._sink is not None:
+                self._sink(chunk)
+                return
+            self.queue.put(chunk)
+            if chunk.finish_reason is not None:
+                self.queue.put(None)  # end of stream
+
+    def forward(self, sink: Callable[[Chunk], None]) -> None:
+        """From now on hand each chunk to `sink` on the producer's thread, after the ones already queued
+        (a runner's child sends them on at once: no consumer thread, no extra hop)."""
+        with self._lock:
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    sink(item)
+            self._sink = sink
 
 
 @dataclass
@@ -88,10 +111,30 @@ class Job:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     stop: StopMatcher | None = None
     timings: Timings = field(default_factory=Timings)
+    probs: list[TokenProbs] = field(default_factory=list)  # sampled, not yet sent (n_probs only), in order
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.out_tokens),
                      cached_tokens=self.cached)
+
+    def sample(self, ctx: Context, row: int) -> int:
+        """The next token from batch row `row`; with n_probs, its probabilities are kept for its chunk."""
+        req = self.request
+        if req.n_probs is None:
+            return self.chain.sample(ctx, row)
+        tok, entry = token_probs.sample(self.chain, ctx, row, req.n_probs, req.post_sampling_probs,
+                                        req.params.temperature <= 0)
+        self.probs.append(entry)
+        return tok
+
+    def chunk(self, text: str, tokens: list[int], **kw: Any) -> Chunk:
+        """A chunk carrying `tokens`: with their probabilities (each sampled token is sent once, in order)
+        and, on the last chunk, the stop string that ended the generation."""
+        probs = None
+        if self.request.n_probs is not None and tokens:
+            probs, self.probs = self.probs[:len(tokens)], self.probs[len(tokens):]
+        word = self.stop.matched if self.stop is not None and kw.get("finish_reason") == "stop" else None
+        return Chunk(text=text, tokens=tokens, probs=probs, stop_word=word, **kw)
 
 
 SlotState = Literal["idle", "prefill", "generate"]

@@ -54,6 +54,10 @@ class Stream:
         self._state.cancelled.set()
         self._wake()
 
+    def forward(self, sink: Callable[[Chunk], None]) -> None:
+        """Hand each chunk to `sink` as the engine emits it, instead of iterating (the runner's child)."""
+        self._state.forward(sink)
+
     @property
     def slot(self) -> int | None:
         """The engine slot serving this request (known from its first chunk on), None before admission."""

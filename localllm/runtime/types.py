@@ -15,6 +15,8 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ContextPolicy = Literal["error", "shift", "truncate_history"]
 CONTEXT_POLICIES: tuple[str, ...] = ("error", "shift", "truncate_history")
+# Request.n_probs: most likely tokens reported per generated token (each is a JSON object on the wire)
+MAX_N_PROBS = 256
 
 _ids = itertools.count(1)
 
@@ -32,6 +34,9 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # (token id, bias added to its logit); -inf never samples it. Ids are checked against the vocabulary
+    # when the sampler chain is built (runtime.sampling), where the model is known.
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """What is out of range, in words (empty when valid). NaN and infinity are never valid."""
@@ -60,6 +65,14 @@ class GenerationParams:
                 out.append(f"{name} must be in [-2, 2], got {v!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             out.append(f"seed must be an integer, got {self.seed!r}")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+            tok, bias = pair if ok else (None, None)
+            if not (ok and isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0
+                    and isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                    and (math.isfinite(bias) or bias == -math.inf)):
+                out.append(f"logit_bias entries must be (token id >= 0, finite bias or -inf), got {pair!r}")
+                break
         return out
 
 
@@ -82,6 +95,11 @@ class Request:
     draft_max: int | None = None
     draft_min: int | None = None
     draft_p_min: float | None = None
+    # per-token probabilities on the chunks: None = none (no cost); 0 = the chosen token's only; k = also
+    # the k most likely. post_sampling_probs: after the sampler chain (llama-server's flag), else a softmax
+    # of the raw logits.
+    n_probs: int | None = None
+    post_sampling_probs: bool = False
     # truncate_history hook: given the largest prompt (in tokens) that fits, return a shorter
     # prompt (text or tokens) — e.g. the chat re-rendered without its oldest turns — or None.
     truncate: Callable[[int], str | list[int] | None] | None = None
@@ -135,6 +153,27 @@ class Notice:
 
 
 @dataclass
+class TokenLogprob:
+    """One candidate token: its id, its bytes (a piece may be part of a UTF-8 character) and its logprob."""
+
+    id: int
+    piece: bytes
+    logprob: float  # natural log of its probability, always finite
+
+
+@dataclass
+class TokenProbs:
+    """The probabilities of one generated token (Request.n_probs): the chosen token, then the most likely
+    ones, best first. post_sampling: the values are after the sampler chain (top_k, top_p, temperature…)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
+    post_sampling: bool = False
+
+
+@dataclass
 class Chunk:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -143,6 +182,8 @@ class Chunk:
     timings: Timings | None = None  # last chunk only
     notice: Notice | None = None
     error: Exception | None = None  # with finish_reason "error"
+    probs: list[TokenProbs] | None = None  # one per token of `tokens`, when the request asked (n_probs)
+    stop_word: str | None = None  # last chunk only: the stop string that ended the generation
 
 
 @dataclass
@@ -155,6 +196,8 @@ class Result:
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     notices: list[Notice] = field(default_factory=list)
+    probs: list[TokenProbs] = field(default_factory=list)
+    stop_word: str | None = None
 
     def absorb(self, chunk: Chunk) -> None:
         """Fold in one chunk; raises the chunk's error."""
@@ -170,3 +213,7 @@ class Result:
             self.usage = chunk.usage
         if chunk.timings is not None:
             self.timings = chunk.timings
+        if chunk.probs:
+            self.probs.extend(chunk.probs)
+        if chunk.stop_word is not None:
+            self.stop_word = chunk.stop_word

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -112,9 +113,8 @@ class LoadTracker:
 
 
 def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = None) -> Any:
-    """The pool the CLI's server uses: real engines, a memory budget of most of the RAM."""
-    from localllm.runtime.engine import Engine
-    from localllm.runtime.pool import ModelPool, parse_keep_alive
+    """The pool the CLI's server uses: a runner process per model, a memory budget of most of the RAM."""
+    from localllm.compose.pool import ModelPool, engine_factory, parse_keep_alive
 
     try:
         from localllm.machine.probe import ram
@@ -122,9 +122,40 @@ def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = 
         budget: int | None = int(ram()[0] * 0.8)
     except Exception:  # noqa: BLE001 - no budget rather than no server
         budget = None
-    factory = loads.wrap(Engine) if loads is not None else Engine
+    factory = engine_factory(settings.runners)
+    factory = loads.wrap(factory) if loads is not None else factory
     return ModelPool(composer.resolve, engine_factory=factory, memory_budget=budget,
                      default_keep_alive=parse_keep_alive(settings.keep_alive))
+
+
+def _installed_name(store: Any, name: str | None) -> str | None:
+    """The store's own name for `name` (`tiny` → `tiny:latest`), or `name` as given when it is not found."""
+    if not name:
+        return None
+    try:
+        man = store.get(name)
+    except LocalLLMError:
+        return name
+    return str(man.name) if man is not None else name
+
+
+async def load_default_model(app: FastAPI) -> None:
+    """Load `serve --model` once at start and keep it loaded; /health answers 503 "Loading model" until
+    then. A model that cannot load is logged and handed to `app.state.on_fatal` (the CLI stops the server,
+    as llama-server does when its model fails)."""
+    state, log = app.state, logging.getLogger("localllm.server")
+    try:
+        await run_in_threadpool(state.pool.get, state.default_name, keep_alive=-1)
+        log.info("model %s loaded", state.default_name)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - said in the log and to the CLI, never raised into the loop
+        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        log.error("could not load the default model %s: %s", state.default_name, message)
+        if state.on_fatal is not None:
+            state.on_fatal(f"could not load {state.default_name}: {message}")
+    finally:
+        state.starting = False
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -152,9 +183,13 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:  # what a killed server or command left in the store (the store's temp-file rule)
             await run_in_threadpool(app.state.store.sweep_temporaries)
-        except Exception:  # noqa: BLE001 - a store that cannot be swept still serves
+        except Exception:  # a store that cannot be swept still serves
             logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
+        # the default model loads in the background: the port answers at once (/health: 503 meanwhile)
+        loading = asyncio.ensure_future(load_default_model(app)) if app.state.default_name else None
         yield
+        if loading is not None:
+            loading.cancel()
         for embedder in app.state.embedders.values():
             embedder.close()
         if app.state.pool is not None and app.state.owns_pool:
@@ -172,6 +207,9 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)
     app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
     app.state.embed_lock = threading.Lock()
+    app.state.default_name = _installed_name(app.state.store, settings.model)  # `serve --model`
+    app.state.starting = bool(app.state.default_name)  # until the default model is loaded (or failed)
+    app.state.on_fatal = None  # the CLI's hook: the default model could not load (llama-server exits)
 
     @app.exception_handler(LocalLLMError)
     async def _local(request: Request, exc: LocalLLMError) -> Response:

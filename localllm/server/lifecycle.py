@@ -72,6 +72,8 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
         raise
     finder = getattr(pool, "name_of", None)
     key = (finder(engine) if finder else None) or name
+    if keep_alive is None and key == getattr(state, "default_name", None):
+        pool.touch(key, -1)  # the server's --model stays loaded, as llama-server's one model does
     return Lease(key, engine, (time.perf_counter() - t0) * 1000, cm)
 
 
@@ -86,11 +88,13 @@ async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
 
 
 def default_model(state: Any, model: str | None, *, unknown: bool = False) -> str:
-    """The model a llama.cpp-style request means: the given name, else the most recently loaded model,
-    else the only installed one. With `unknown=True` (the OpenAI door: llama-server serves its model
-    whatever the field says) a valid name that is not installed means the same, when that choice is
-    clear: exactly one model loaded, else exactly one installed; otherwise a 404 that names the model
-    and lists what is installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`)."""
+    """The model a llama.cpp-style request means: the given name, else the server's default model
+    (`serve --model`), else the most recently loaded model, else the only installed one. With
+    `unknown=True` (the OpenAI door: llama-server serves its model whatever the field says) a valid name
+    that is not installed means the same, when that choice is clear: the default model, else exactly one
+    model loaded, else exactly one installed; otherwise a 404 that names the model and lists what is
+    installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`)."""
+    default = getattr(state, "default_name", None)
     if model:
         if not unknown:
             return model
@@ -100,6 +104,8 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
             return model
         if man is not None:
             return str(man.name)
+        if default:
+            return str(default)
         loaded = state.pool.loaded() if state.pool is not None else []
         if len(loaded) == 1:
             return str(loaded[0]["name"])
@@ -109,6 +115,8 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
         names = ", ".join(m.name for m in installed) or "none"
         raise ModelNotFound(f"model {model!r} is not installed and the server has no single model to answer "
                             f"in its place (installed: {names})", "name one of the installed models")
+    if default:
+        return str(default)
     loaded = state.pool.loaded() if state.pool is not None else []
     if loaded:
         return str(loaded[-1]["name"])
@@ -127,7 +135,8 @@ def max_waiting(settings: Any) -> int:
 def check_capacity(engine: Any, limit: int) -> None:
     """Refuse early when the engine's queue is already long: the client retries instead of hanging."""
     try:
-        waiting = int(engine.stats().get("waiting", 0))
+        count = getattr(engine, "waiting", None)  # a runner counts here, without a round trip
+        waiting = int(count() if callable(count) else engine.stats().get("waiting", 0))
     except Exception:  # noqa: BLE001 - stats are advisory
         return
     if waiting >= limit:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,13 +26,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from localllm.compose.requests import PARAM_KEYS, Options
+from localllm.compose.requests import PARAM_KEYS, Options, params_from
 from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
 from localllm.runtime.types import GenerationParams, Result
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, default_model, held
-from localllm.server.wire import Body, timings_dict
+from localllm.server.llamacpp_prompts import merged, split_prompts
+from localllm.server.wire import Body, probs_json, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -43,8 +45,8 @@ SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min
 
 class CompletionBody(Body):
     model: str | None = None
-    prompt: str | list[int] = ""
-    n_predict: int = -1
+    prompt: Any = ""  # checked by llamacpp_prompts.split_prompts (/completion) or infill
+    n_predict: int | None = None  # None: the server's default (serve --n-predict), else -1
     stream: bool = False
     stop: list[str] | str | None = None
     temperature: float | None = None
@@ -69,6 +71,9 @@ class CompletionBody(Body):
     context_policy: str | None = None
     ignore_eos: bool = False
     return_tokens: bool = False
+    n_probs: int | None = None  # > 0: completion_probabilities (llama-server also reads `logprobs`)
+    post_sampling_probs: bool = False
+    logit_bias: Any = None  # [[token id or text, bias or false], ...] or {"token id or text": bias}
 
 
 class InfillBody(CompletionBody):
@@ -141,7 +146,9 @@ def _wire_options(body: CompletionBody) -> Options:
     return Options(sampling={k: getattr(body, k, None) for k in PARAM_KEYS}, max_tokens=n_predict,
                    max_tokens_name="n_predict", stop=body.stop, json_schema=body.json_schema, grammar=body.grammar,
                    context_policy=body.context_policy, n_keep=body.n_keep, ignore_eos=body.ignore_eos,
-                   draft=body.model_extra or {})
+                   draft=body.model_extra or {}, logit_bias=body.logit_bias, post_sampling_probs=body.post_sampling_probs,
+                   # llama-server's n_probs, alias `logprobs`; 0 (its default) means none
+                   n_probs=(body.n_probs if body.n_probs is not None else (body.model_extra or {}).get("logprobs")) or None)
 
 
 def _samplers(value: list[str] | str | None) -> list[str]:
@@ -154,7 +161,8 @@ def _samplers(value: list[str] | str | None) -> list[str]:
 
 def _settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop: list[str] | None = None,
               n_keep: int = 0, ignore_eos: bool = False, stream: bool = False, grammar: str | None = None,
-              samplers: list[str] | str | None = None, model: str = "") -> dict[str, Any]:
+              samplers: list[str] | str | None = None, model: str = "", n_probs: int | None = None,
+              post_sampling_probs: bool = False) -> dict[str, Any]:
     """llama-server's generation_settings (task_params::to_json) for the settings localllm applies."""
     seed = params.seed if params.seed is not None and params.seed >= 0 else LLAMA_DEFAULT_SEED
     return {"n_ctx": n_ctx, "model": model, "seed": seed, "temperature": params.temperature,
@@ -163,7 +171,9 @@ def _settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "stop": list(stop or []), "max_tokens": n_predict, "n_predict": n_predict, "n_keep": n_keep,
             "n_discard": 0, "ignore_eos": ignore_eos, "stream": stream, "grammar": grammar or "",
-            "samplers": _samplers(samplers)}
+            "samplers": _samplers(samplers), "n_probs": n_probs or 0, "post_sampling_probs": post_sampling_probs,
+            # a ban (-inf) is null, as llama-server's JSON writes it
+            "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in params.logit_bias]}
 
 
 def _exceed(exc: ContextOverflow) -> JSONResponse:
@@ -200,15 +210,16 @@ class _Limits:
         return None
 
 
-async def _generate(request: Request, body: CompletionBody, build: Any) -> Response:
+async def _start(request: Request, body: CompletionBody, build: Any,
+                 index: int) -> tuple[Generation, AsyncIterator[dict[str, Any]]]:
+    """Start one prompt (the `index`-th of a batch); its events: llama-server's partial ones, then the final."""
     state = request.app.state
     name = default_model(state, body.model)
-    try:
-        g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
-                                                                     _wire_options(body)))
-    except ContextOverflow as exc:
-        return _exceed(exc)
+    g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
+                                                                 _wire_options(body)))
     req, engine = g.request, g.engine
+    # what generation_settings reports: the request's n_predict, else the server's default (-1: none)
+    n_predict = body.n_predict if body.n_predict is not None else (state.composer.defaults().max_tokens or -1)
     prompt_ids = list(getattr(g.stream, "prompt", None) or [])
     limits, warmup = _Limits(body), body.n_predict == 0
     n_ctx = int(getattr(engine, "n_ctx", 0) or 0)
@@ -225,16 +236,19 @@ async def _generate(request: Request, body: CompletionBody, build: Any) -> Respo
     def final(acc: Result, stop_type: str, shown: str) -> dict[str, Any]:
         text = "" if warmup or body.stream else acc.text
         tokens = acc.tokens if body.return_tokens and not warmup and not body.stream else []
-        return {"index": 0, "content": text, "tokens": tokens, "id_slot": id_slot(), "stop": True, "model": name,
+        return {"index": index, "content": text, "tokens": tokens, "id_slot": id_slot(), "stop": True, "model": name,
                 "tokens_predicted": 0 if warmup else acc.usage.completion_tokens,
                 "tokens_evaluated": acc.usage.prompt_tokens,
-                "generation_settings": _settings(req.params, n_ctx, n_predict=body.n_predict, stop=req.stop,
+                "generation_settings": _settings(req.params, n_ctx, n_predict=n_predict, stop=req.stop,
                                                  n_keep=body.n_keep, ignore_eos=body.ignore_eos, stream=body.stream,
-                                                 grammar=body.grammar, samplers=body.samplers, model=name),
+                                                 grammar=body.grammar, samplers=body.samplers, model=name,
+                                                 n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs),
                 "prompt": shown, "has_new_line": "\n" in acc.text,
                 "truncated": any(n.kind in ("prompt_truncated", "context_shift") for n in acc.notices),
-                "stop_type": stop_type, "stopping_word": "", "tokens_cached": acc.usage.cached_tokens,
-                "timings": timings_dict(acc.timings)}
+                "stop_type": stop_type, "stopping_word": acc.stop_word or "", "tokens_cached": acc.usage.cached_tokens,
+                "timings": timings_dict(acc.timings),
+                # streamed, each partial event carried its own
+                **({"completion_probabilities": probs_json(acc.probs)} if acc.probs and not body.stream else {})}
 
     async def run() -> AsyncIterator[dict[str, Any]]:
         """llama-server's partial events (a piece of text and its token ids) as they come, then the final one."""
@@ -251,30 +265,46 @@ async def _generate(request: Request, body: CompletionBody, build: Any) -> Respo
                         piece = chunk.text[: max(0, len(chunk.text) - (len(acc.text) - len(kept)))]
                         acc.text, stop_type = kept, "limit"
                 if piece or chunk.tokens:
-                    yield {"index": 0, "content": piece, "tokens": list(chunk.tokens), "stop": False,
+                    yield {"index": index, "content": piece, "tokens": list(chunk.tokens), "stop": False,
                            "id_slot": id_slot(), "tokens_predicted": len(acc.tokens),
-                           "tokens_evaluated": n_prompt}
+                           "tokens_evaluated": n_prompt,
+                           **({"completion_probabilities": probs_json(chunk.probs)} if chunk.probs else {})}
                 if kept is not None:
                     break  # the Generation's close() cancels the rest
-            if chunk.finish_reason:
-                stop_type = {"length": "limit"}.get(chunk.finish_reason) or (
-                    "word" if chunk.tokens and req.stop else "eos")
+            if chunk.finish_reason:  # "stop" is a stop string (the engine names it) or an end-of-generation token
+                stop_type = {"length": "limit"}.get(chunk.finish_reason) or ("word" if chunk.stop_word else "eos")
         yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))
 
+    return g, run()
+
+
+async def _generate(request: Request, body: CompletionBody, *builds: Any) -> Response:
+    """Generate for each prompt (one, or a batch): one JSON object, or an array in prompt order for a batch
+    of several, or one SSE stream of all of them, as llama-server answers."""
+    runs: list[tuple[Generation, AsyncIterator[dict[str, Any]]]] = []
+    try:
+        for index, build in enumerate(builds):
+            runs.append(await _start(request, body, build, index))
+    except BaseException as exc:
+        for g, _ in runs:
+            g.close()
+        if isinstance(exc, ContextOverflow):
+            return _exceed(exc)
+        raise
+
     if not body.stream:
-        out: dict[str, Any] = {}
-        async with g:
-            async for item in run():
-                if item["stop"]:
-                    out = item
-        return JSONResponse(flatten(out, body.response_fields))
+        finals: dict[int, dict[str, Any]] = {}
+        async for item in merged(runs):
+            if item["stop"]:
+                finals[item["index"]] = flatten(item, body.response_fields)
+        out = [finals[i] for i in sorted(finals)]
+        return JSONResponse(out[0] if len(out) == 1 else out)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            async with g:
-                async for item in run():
-                    data = flatten(item, body.response_fields) if item["stop"] else item
-                    yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+            async for item in merged(runs):
+                data = flatten(item, body.response_fields) if item["stop"] else item
+                yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
         except Exception as exc:  # sent to this client only, as an error event
             # our own errors say what went wrong; anything else could carry paths: name its type only
             msg = exc.message if isinstance(exc, LocalLLMError) else f"generation failed ({type(exc).__name__})"
@@ -300,9 +330,15 @@ async def infill(body: InfillBody, request: Request) -> Response:
 @router.post("/completion")
 @router.post("/completions")
 async def completion(body: CompletionBody, request: Request) -> Response:
-    if not body.prompt:
+    """Every prompt form llama-server takes (see llamacpp_prompts); a batch answers each prompt by index."""
+    if isinstance(body.prompt, str) and not body.prompt:
         raise InvalidInput("prompt is empty", "send \"prompt\": \"text\" or a list of token ids")
-    return await _generate(request, body, lambda builder, options: builder.prompt(body.prompt, options))
+    prompts = split_prompts(body.prompt)
+
+    def build(prompt: Any) -> Any:
+        return lambda builder, options: builder.prompt(prompt, options)
+
+    return await _generate(request, body, *(build(p) for p in prompts))
 
 
 @router.post("/tokenize")
@@ -366,7 +402,11 @@ async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]
 @router.get("/health")
 @router.get("/v1/health")
 async def health(request: Request) -> Response:
-    """llama-server's shape: 503 {"status": "loading model"} while the pool loads a model, else 200 ok."""
+    """llama-server's answer while `serve --model` loads at start: 503 "Loading model"
+    (unavailable_error); later, 503 {"status": "loading model"} while the pool loads a model; else 200 ok."""
+    if getattr(request.app.state, "starting", False):
+        return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+                            status_code=503)
     loads = getattr(request.app.state, "loads", None)
     if loads is not None and loads.loading:
         return JSONResponse({"status": "loading model"}, status_code=503)
@@ -374,12 +414,15 @@ async def health(request: Request) -> Response:
 
 
 def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
-    """(pool entry, engine) for each loaded model, read without holding them."""
+    """(pool entry, engine) for each loaded model, read without holding them; the server's default model
+    (`serve --model`) last, so /props and /slots show it as llama-server shows its one model."""
     pool = state.pool
     if pool is None:
         return []
     loaded = dict(pool.engines())
-    return [(m, loaded.get(m["name"])) for m in pool.loaded() if loaded.get(m["name"]) is not None]
+    out = [(m, loaded.get(m["name"])) for m in pool.loaded() if loaded.get(m["name"]) is not None]
+    default = getattr(state, "default_name", None)
+    return sorted(out, key=lambda pair: pair[0]["name"] == default)  # stable: load order otherwise
 
 
 @router.get("/props")
@@ -395,7 +438,8 @@ async def props(request: Request) -> dict[str, Any]:
         async with held(state, m["name"]) as lease:  # held: the format reads the model's special tokens
             fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
             template = fmt.template or ""
-    params = _settings(GenerationParams(), n_ctx, stream=True)
+    defaults = state.composer.defaults()  # the server's --temp / --seed / --n-predict
+    params = _settings(params_from(defaults.sampling), n_ctx, stream=True, n_predict=defaults.max_tokens or -1)
     params.pop("n_ctx"), params.pop("model")
     return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
             "total_slots": slots, "model_alias": m["name"], "model_path": m["name"],  # never a file path
@@ -415,12 +459,15 @@ def _version() -> str:
 @router.get("/slots")
 async def slots(request: Request) -> list[dict[str, Any]]:
     engines = _engines(request.app.state)
+    want = request.query_params.get("model")  # several models on one port: ?model= picks one
+    engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
     if not engines:
         return []
     m, engine = engines[-1]
     st = engine.stats()
-    return [{"id": s["id"], "n_ctx": st["n_ctx"], "is_processing": s["state"] != "idle", "state": s["state"],
-             "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
+    # a crashed runner's slots say so ("state": "crashed"), and are not processing
+    return [{"id": s["id"], "n_ctx": st["n_ctx"], "is_processing": s["state"] not in ("idle", "crashed"),
+             "state": s["state"], "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
 
 
 @router.get("/metrics")

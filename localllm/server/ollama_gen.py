@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localllm.compose.requests import Options
 from localllm.errors import InvalidInput
-from localllm.runtime.pool import parse_keep_alive
+from localllm.compose.pool import parse_keep_alive
 from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
 from localllm.server.embeddings import embed_texts
@@ -209,5 +209,6 @@ async def ps(request: Request) -> dict[str, Any]:
         out.append({"name": m["name"], "model": m["name"], "size": m["size"], "size_vram": m["size_vram"],
                     "digest": man.digest.split(":")[-1] if man else "", "details": m["details"],
                     "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z"),
-                    "context_length": m["context_length"]})
+                    "context_length": m["context_length"],
+                    **({"runner": m["runner"]} if m.get("runner") else {})})  # localllm's: pid, running/crashed
     return {"models": out}

@@ -9,11 +9,15 @@ llama-server accepts them: top_k, min_p, repeat_penalty, and the context size pe
 `grammar`. Like llama-server, a request that names no model, or a model that is not installed, is
 answered by the server's model when that choice is clear (`lifecycle.default_model`); the response's
 `model` says which one answered. Chat and completion responses carry llama-server's `timings` (in a
-stream: on the last chunk before [DONE]).
+stream: on the last chunk before [DONE]). `n` choices are n requests the engine batches (with a seed,
+choice i uses seed + i); `logprobs` are the model's own (runtime/probs.py): chat's `logprobs.content`
+(llama-server's entries: id, token, bytes, logprob, top_logprobs), the legacy completions' shape
+(tokens, token_logprobs, top_logprobs, text_offset); `logit_bias` as OpenAI's -100..100 (-100 bans).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -24,12 +28,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from localllm.compose.requests import PARAM_KEYS, Options
+from localllm.compose.requests import PARAM_KEYS, Options, choices, n_choices
 from localllm.errors import InvalidInput
+from localllm.runtime.types import Chunk, Result, Usage
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, default_model, finish_reason
-from localllm.server.wire import Body, notice_dict, parse_tool_calls, timings_dict
+from localllm.server.wire import Body, LegacyLogprobs, notice_dict, parse_tool_calls, probs_json, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -61,6 +66,7 @@ class _Common(Body):
     context_policy: str | None = None
     keep_alive: str | int | float | None = None
     grammar: str | None = None
+    logit_bias: Any = None  # OpenAI's {"token id": bias}, or llama-server's forms (compose.logit_bias_pairs)
 
 
 class ChatCompletionRequest(_Common):
@@ -99,18 +105,24 @@ def _wire_options(body: _Common, max_tokens: Any) -> Options:
         direct = getattr(body, key, None)
         if direct is not None:
             sampling[key] = direct
+    n_probs, n_probs_name = _n_probs(body)
     return Options(sampling=sampling, max_tokens=max_tokens, stop=body.stop,
                    format=getattr(body, "response_format", None), grammar=body.grammar,
                    context_policy=body.context_policy,
-                   draft=body.model_extra or {})
+                   draft=body.model_extra or {}, logit_bias=body.logit_bias, openai_bias=True,
+                   n_probs=n_probs, n_probs_name=n_probs_name)
 
 
-def _check_n(body: _Common) -> None:
-    if body.n not in (None, 1):
-        raise InvalidInput("only n=1 is supported", "send one request per completion")
-    # saying so beats answering `logprobs: null` to a client that needs them
-    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None):
-        raise InvalidInput("logprobs are not supported by this server yet", "leave out logprobs/top_logprobs")
+def _n_probs(body: _Common) -> tuple[Any, str]:
+    """(Options.n_probs, its wire name): chat's logprobs + top_logprobs (0 by default, as OpenAI), the
+    legacy completions' integer logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        if not body.logprobs:
+            if body.top_logprobs is not None:  # llama-server's message
+                raise InvalidInput("top_logprobs requires logprobs to be set to true")
+            return None, "top_logprobs"
+        return (body.top_logprobs if body.top_logprobs is not None else 0), "top_logprobs"
+    return getattr(body, "logprobs", None), "logprobs"
 
 
 def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
@@ -154,104 +166,205 @@ def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[s
 
 
 # ---- rendering ---------------------------------------------------------------------------------------
-def _empty_choice(chat: bool) -> dict[str, Any]:
-    return ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": None} if chat else
-            {"index": 0, "text": "", "logprobs": None, "finish_reason": None})
+def _empty_choice(chat: bool, index: int = 0) -> dict[str, Any]:
+    return ({"index": index, "delta": {}, "logprobs": None, "finish_reason": None} if chat else
+            {"index": index, "text": "", "logprobs": None, "finish_reason": None})
 
 
 def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(g: Generation, *, chat: bool, base: dict[str, Any], include_usage: bool, echo: str = "",
-                  tools: bool = False) -> AsyncIterator[bytes]:
-    """Chunks as SSE. An error after the stream started is sent as an `error` event, then [DONE]."""
+async def _indexed(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of every choice as they come, each with its choice's index (one reader per stream)."""
+    if len(gens) == 1:
+        async for chunk in gens[0].chunks():
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, g: Generation) -> None:
+        try:
+            async for chunk in g.chunks():
+                queue.put_nowait((i, chunk))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        if chat:
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-        elif echo:
-            yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
-        usage, timings, held_text, notices = None, None, "", []
-        async for chunk in g.chunks():
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:  # a reader that stops early stops every choice
+        for t in tasks:
+            t.cancel()
+
+
+def _summed(usages: list[Any]) -> Usage:
+    """Usage of n choices of one prompt: the prompt once (as OpenAI counts it), every choice's completion."""
+    first = usages[0]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
+
+
+class _Logprobs:
+    """Each choice's `logprobs` as its tokens arrive: chat's {content: [...]}, legacy completions' shape
+    (text_offset counted from `start`, the echoed prompt); None for a request that did not ask."""
+
+    def __init__(self, asked: bool, chat: bool, start: int = 0) -> None:
+        self.asked, self.chat = asked, chat
+        self.legacy = LegacyLogprobs(start)
+
+    def render(self, entries: list[Any]) -> dict[str, Any] | None:
+        if not self.asked:
+            return None
+        return {"content": probs_json(entries)} if self.chat else self.legacy.render(entries)
+
+
+async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], include_usage: bool,
+                  echo: str = "", tools: bool = False) -> AsyncIterator[bytes]:
+    """Chunks as SSE, each choice's with its index. An error after the stream started is sent as an `error`
+    event, then [DONE]."""
+    n = len(gens)
+    asked = gens[0].request.n_probs is not None
+    logprobs = [_Logprobs(asked, chat, len(echo)) for _ in range(n)]
+    pending: list[list[Any]] = [[] for _ in range(n)]  # token probabilities not yet sent (text held back)
+    held_text, notices = [""] * n, [[] for _ in range(n)]
+    usages: list[Any] = [None] * n
+    timings: list[Any] = [None] * n
+    try:
+        for i in range(n):
+            if chat:
+                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            elif echo:
+                yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+        async for i, chunk in _indexed(gens):
             if chunk.timings is not None:
-                timings = timings_dict(chunk.timings)
+                timings[i] = timings_dict(chunk.timings)
             # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
-            last = {"timings": timings} if timings is not None and not include_usage else {}
+            last = {"timings": timings[i]} if timings[i] is not None and not include_usage else {}
             if chunk.notice is not None:  # what the engine did to the context, as it happens
-                notices.append(notice_dict(chunk.notice))
-                yield _sse({**base, "choices": [_empty_choice(chat)], "notice": notices[-1]})
+                notices[i].append(notice_dict(chunk.notice))
+                yield _sse({**base, "choices": [_empty_choice(chat, i)], "notice": notices[i][-1]})
             if chunk.error is not None:
                 yield _sse({"error": {"message": chunk.error.args[0] if chunk.error.args else "generation failed",
                                       "type": "server_error", "param": None, "code": 500}})
                 break
+            pending[i] += chunk.probs or []
             done = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+            ended = {"notices": notices[i]} if done and notices[i] else {}
             if tools:  # a tool call is only recognizable whole: hold the text until the end
-                held_text += chunk.text
+                held_text[i] += chunk.text
                 if done:
-                    content, calls = parse_tool_calls(held_text)
+                    content, calls = parse_tool_calls(held_text[i])
                     delta: dict[str, Any] = {"tool_calls": _tool_calls(calls, delta=True)} if calls else \
                         {"content": content}
-                    yield _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                    yield _sse({**base, "choices": [{"index": i, "delta": delta,
+                                                     "logprobs": logprobs[i].render(pending[i]) if pending[i] else None,
                                                      "finish_reason": "tool_calls" if calls else done}],
-                                **({"notices": notices} if notices else {}), **last})
+                                **ended, **last})
             elif chunk.text or done:
+                lp = logprobs[i].render(pending[i]) if pending[i] else None
+                pending[i] = []
                 piece = {"content": chunk.text} if chunk.text else {}
-                choice = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": done} if chat else
-                          {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": done})
-                yield _sse({**base, "choices": [choice], **({"notices": notices} if done and notices else {}),
-                            **(last if done else {})})
+                choice = ({"index": i, "delta": piece, "logprobs": lp, "finish_reason": done} if chat else
+                          {"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": done})
+                yield _sse({**base, "choices": [choice], **ended, **(last if done else {})})
             if chunk.usage is not None:
-                usage = chunk.usage
-        if include_usage and usage is not None:
-            yield _sse({**base, "choices": [], "usage": _usage(usage), **({"timings": timings} if timings else {})})
+                usages[i] = chunk.usage
+        if include_usage and all(u is not None for u in usages):
+            yield _sse({**base, "choices": [], "usage": _usage(_summed(usages)),
+                        **({"timings": timings[0]} if timings[0] else {})})
     except Exception as exc:  # this client's stream only; the server log has the details
         logging.getLogger("localllm.server").exception("stream failed")
         yield _sse({"error": {"message": f"generation failed ({type(exc).__name__})", "type": "server_error",
                               "param": None, "code": 500}})
     finally:
-        g.close()
+        for g in gens:
+            g.close()
     yield b"data: [DONE]\n\n"
+
+
+async def _start(state: Any, body: _Common, chat: bool) -> list[Generation]:
+    """Lease, build and submit: one Generation per choice (`n`), all batched by the engine."""
+    n = n_choices(body.n)
+    build = _chat_request if chat else _completion_request
+    name = default_model(state, body.model, unknown=True)
+    first = await Generation.start(state, name, lambda lease: build(state, body, lease),  # type: ignore[arg-type]
+                                   options=_options(body), keep_alive=body.keep_alive)
+    gens = [first]
+    try:
+        for req in choices(first.request, n)[1:]:
+            gens.append(await Generation.start(state, name, lambda lease, req=req: req, options=_options(body),
+                                               keep_alive=body.keep_alive))
+    except BaseException:
+        for g in gens:
+            g.close()
+        raise
+    return gens
+
+
+async def _collect(gens: list[Generation]) -> list[Result]:
+    """Every choice's whole result; the first failure stops the others."""
+    if len(gens) == 1:
+        return [await gens[0].collect()]
+    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     state = request.app.state
-    _check_n(body)
     if chat and not body.messages:  # type: ignore[attr-defined]
         raise InvalidInput("messages must not be empty")
-    build = _chat_request if chat else _completion_request
-    name = default_model(state, body.model, unknown=True)
-    g = await Generation.start(state, name, lambda lease: build(state, body, lease),  # type: ignore[arg-type]
-                               options=_options(body), keep_alive=body.keep_alive)
+    gens = await _start(state, body, chat)
+    g = gens[0]
     prefix = "chatcmpl-" if chat else "cmpl-"
     base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": g.name}
     echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
-        events = _events(g, chat=chat, base=base, include_usage=include, echo=echo,
+        events = _events(gens, chat=chat, base=base, include_usage=include, echo=echo,
                          tools=bool(getattr(body, "tools", None)))
         return StreamingResponse(events, media_type=SSE, headers={"Cache-Control": "no-cache"})
-    res = await g.collect()
-    reason = finish_reason(res.finish_reason)
-    if chat:
-        message: dict[str, Any] = {"role": "assistant", "content": res.text}
-        if getattr(body, "tools", None):
-            content, calls = parse_tool_calls(res.text)
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
-                reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res.usage),
-                             "timings": timings_dict(res.timings), **_notices(res)})
-    choice = {"index": 0, "text": echo + res.text, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": _usage(res.usage),
-                         "timings": timings_dict(res.timings), **_notices(res)})
+    results = await _collect(gens)
+    asked = g.request.n_probs is not None
+    out = []
+    for i, res in enumerate(results):
+        reason = finish_reason(res.finish_reason)
+        logprobs = _Logprobs(asked, chat, len(echo)).render(res.probs)
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": res.text}
+            if getattr(body, "tools", None):
+                content, calls = parse_tool_calls(res.text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
+                    reason = "tool_calls"
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        else:
+            out.append({"index": i, "text": echo + res.text, "logprobs": logprobs, "finish_reason": reason})
+    return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": out,
+                         "usage": _usage(_summed([r.usage for r in results])),
+                         "timings": timings_dict(results[0].timings), **_notices(results)})
 
 
-def _notices(res: Any) -> dict[str, Any]:
+def _notices(results: list[Result]) -> dict[str, Any]:
     """localllm's extension field: what was dropped or cut short, and why (absent when nothing was)."""
-    return {"notices": [notice_dict(n) for n in res.notices]} if res.notices else {}
+    notices = [notice_dict(n) for res in results for n in res.notices]
+    return {"notices": notices} if notices else {}
 
 
 # ---- router ------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
+import math
 import re
 from typing import Any
 
@@ -25,6 +27,51 @@ def timings_dict(t: Any) -> dict[str, Any]:
             "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
             "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
             "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted}
+
+
+def token_text(piece: bytes) -> str:
+    """A token's bytes as text, as llama-server sends `token`: an incomplete UTF-8 character at the end is
+    left out (its bytes are in `bytes`), invalid bytes become U+FFFD."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(piece, final=False)
+
+
+def probs_json(entries: list[Any]) -> list[dict[str, Any]]:
+    """llama-server's probs_vector_to_json for runtime TokenProbs: `completion_probabilities` of /completion
+    and OpenAI chat's `logprobs.content`. Post-sampling entries say `prob`/`top_probs`, else
+    `logprob`/`top_logprobs`."""
+    def one(t: Any, key: str, post: bool) -> dict[str, Any]:
+        return {"id": t.id, "token": token_text(t.piece), "bytes": list(t.piece),
+                key: math.exp(t.logprob) if post else t.logprob}
+
+    out = []
+    for e in entries:
+        key, top_key = ("prob", "top_probs") if e.post_sampling else ("logprob", "top_logprobs")
+        out.append({**one(e, key, e.post_sampling), top_key: [one(t, key, e.post_sampling) for t in e.top]})
+    return out
+
+
+class LegacyLogprobs:
+    """OpenAI's legacy /v1/completions `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) for
+    one choice, chunk after chunk: text_offset counts characters of the choice's text from `start` (the
+    echoed prompt's length). top_logprobs holds the n most likely and the chosen token, as OpenAI's does.
+    llama-server's own shape (`content`, as in chat) rides along for its clients."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.pos = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def render(self, entries: list[Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(token_text(e.piece))
+            out["token_logprobs"].append(e.logprob)
+            top = {token_text(t.piece): t.logprob for t in e.top}
+            top.setdefault(token_text(e.piece), e.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.pos)
+            self.pos += len(self._decoder.decode(e.piece))
+        out["content"] = probs_json(entries)
+        return out
 
 
 class Body(BaseModel):

@@ -1,4 +1,4 @@
-"""Loaded engines by model name: load on first use, keep for keep_alive, evict the idle first.
+"""Loaded engines (runners) by model name: load on first use, keep for keep_alive, evict the idle first.
 
 The pool knows files and engine options, not names on disk: a `resolve(name, options)` callable
 (composed by the CLI or server from the store, catalog and fit plan) turns a name into a ModelSpec.
@@ -91,6 +91,24 @@ def parse_keep_alive(value: Any, default: float = 300.0) -> float:
     return total
 
 
+def engine_factory(isolate: bool = True) -> Callable[..., Any]:
+    """What the pool loads a model with: a runner process (a native fault costs its requests an
+    error, not the process holding the pool), or the Engine in this process (`runner = "inline"`)."""
+    if isolate:
+        from localllm.runtime.runner import Runner
+
+        return Runner
+    from localllm.runtime.engine import Engine
+
+    return Engine
+
+
+def _runner(engine: Any) -> dict[str, Any] | None:
+    """A runner's process and state (running, or crashed and why); None for an in-process engine."""
+    status = getattr(engine, "status", None)
+    return status() if callable(status) else None
+
+
 class ModelPool:
     def __init__(self, resolve: Callable[[str, dict[str, Any]], ModelSpec], *, engine_factory: Callable[..., Any],
                  memory_budget: int | None = None, default_keep_alive: float = 300.0, max_models: int = 3,
@@ -118,6 +136,9 @@ class ModelPool:
         with gate:  # one load per name at a time; others wait and reuse it
             with self._lock:
                 cur = self._loaded.get(spec.name)
+                if cur is not None and getattr(cur.engine, "failure", None) is not None:
+                    self._unload_locked(spec.name)  # its runner died: the next request gets a fresh one
+                    cur = None
                 if cur is not None and cur.spec.engine_kwargs == spec.engine_kwargs:
                     cur.last_used, cur.keep_alive = time.monotonic(), ka
                     return cur.engine
@@ -142,16 +163,15 @@ class ModelPool:
     def use(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
         """Hold an engine for the length of one request: it is not evicted while in use."""
         engine = self.get(name, options=options, keep_alive=keep_alive)
-        key = self._key_of(engine)
-        with self._lock:
-            if key in self._loaded:
-                self._loaded[key].users += 1
+        with self._lock:  # count on the entry itself: a crashed runner's entry may be replaced meanwhile
+            entry = next((e for e in self._loaded.values() if e.engine is engine), None)
+            if entry is not None:
+                entry.users += 1
         try:
             yield engine
         finally:
-            with self._lock:
-                if key in self._loaded:
-                    entry = self._loaded[key]
+            if entry is not None:
+                with self._lock:
                     entry.users -= 1
                     entry.last_used = time.monotonic()
 
@@ -180,7 +200,7 @@ class ModelPool:
             return [{"name": k, "path": str(e.spec.path), "size": e.spec.size_bytes, "size_vram": e.spec.size_vram,
                      "expires_at": None if e.keep_alive == FOREVER else wall + (e.expires_at - now),
                      "context_length": getattr(e.engine, "n_ctx", None), "details": e.spec.details,
-                     "busy": e.users > 0 or not e.engine.idle()}
+                     "busy": e.users > 0 or not e.engine.idle(), "runner": _runner(e.engine)}
                     for k, e in self._loaded.items()]
 
     def engines(self) -> list[tuple[str, Any]]:
