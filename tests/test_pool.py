@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from tinymodel import make_tiny_gguf
 
+from localllm.compose.pool import FOREVER, ModelPool, ModelSpec, parse_keep_alive
 from localllm.errors import InvalidInput, Overloaded
 from localllm.runtime.engine import Engine
-from localllm.compose.pool import FOREVER, ModelPool, ModelSpec, parse_keep_alive
 from localllm.runtime.types import GenerationParams, Request
 
 

@@ -157,7 +157,7 @@ def test_cli_quantize_and_dequantize(tiny: Path, tmp_path: Path, monkeypatch: py
 
 @pytest.mark.slow
 def test_gemma_dequantize_generates_same_text(tmp_path: Path, gemma_file: Path) -> None:
-    GEMMA = gemma_file  # noqa: N806 - the assembled gemma-3-270m Q4_K_M (conftest)
+    GEMMA = gemma_file
     import llama_cpp
 
     f16 = dequantize_to_f16(GEMMA, tmp_path / "gemma-f16.gguf")  # ~20 s: the 262k-token vocab

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from helpers import TINY, Server, start_server, wait_idle
 
-from localllm.errors import InvalidInput
 from localllm.compose.pool import parse_keep_alive
+from localllm.errors import InvalidInput
 from localllm.runtime.sampling import MAX_GRAMMAR_DEPTH, check_grammar, json_depth
 from localllm.runtime.types import GenerationParams
 
@@ -151,19 +151,26 @@ def test_openai_chat_says_what_was_dropped(small: Server) -> None:
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
 
 
-def test_parallel_requests_that_fill_the_cache_say_so(small: Server) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+def test_parallel_requests_that_fill_the_cache_say_so(small: Server, path: str) -> None:
     """Two requests asking for more than the shared 256-cell cache holds: whoever is cut short gets
-    finish_reason "length" and a context_full notice, never a silent 200 with fewer tokens."""
-    body = {"model": TINY, "prompt": "hello", "max_tokens": 250, "temperature": 0, "context_policy": "error"}
+    finish_reason "length" (llama.cpp: stop_type "limit", truncated true) and a context_full notice, never a
+    silent 200 with fewer tokens."""
+    body = {"model": TINY, "prompt": "hello", "max_tokens": 250, "n_predict": 250, "temperature": 0,
+            "context_policy": "error"}
     short = 0
     for _ in range(10):  # the tiny model is fast: the two must overlap in the engine to overflow
         wait_idle(small.pool)
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            outs = list(ex.map(lambda _: post(small, "/v1/completions", body).json(), range(2)))
+            outs = list(ex.map(lambda _: post(small, path, body).json(), range(2)))
         for out in outs:
-            if out["usage"]["completion_tokens"] < 250:
+            n = out["usage"]["completion_tokens"] if "usage" in out else out["tokens_predicted"]
+            if n < 250:
                 short += 1
-                assert out["choices"][0]["finish_reason"] == "length"
+                if "choices" in out:
+                    assert out["choices"][0]["finish_reason"] == "length"
+                else:
+                    assert out["stop_type"] == "limit" and out["truncated"] is True
                 assert out["notices"] and out["notices"][-1]["kind"] == "context_full"
         if short:
             break
@@ -218,7 +225,7 @@ def test_the_server_sweeps_what_a_killed_writer_left_when_it_starts(tmp_path: An
     from localllm.models import files
 
     proc = subprocess.Popen(["sleep", "30"])
-    stamp = f"w{proc.pid}-{files._start_of(proc.pid)}-{files._host()}"  # noqa: SLF001 - the rule's own stamp
+    stamp = f"w{proc.pid}-{files._start_of(proc.pid)}-{files._host()}"
     proc.kill()
     proc.wait()
     blobs = tmp_path / "models" / "blobs"

@@ -41,11 +41,11 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
         engine = engine_factory(load_settings().runners)(path, n_ctx=ctx or 4096, slots=1, cpu_kernels=kernels)
         return EngineBackend.single(engine, path.name, file_format(path, None, engine.model)), path.name
 
+    from localllm.compose.pool import ModelPool
     from localllm.compose.spec import Composer
     from localllm.models import pull as pull_mod
     from localllm.models.catalog import Catalog
     from localllm.models.store import Store
-    from localllm.compose.pool import ModelPool
 
     store, catalog = Store(), Catalog.load()
     # one person chatting: one slot is enough and leaves the memory to the context

@@ -239,13 +239,14 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
         logging.getLogger("localllm.server").exception("unhandled error on %s", request.url.path)
         return _json_error(request, 500, f"internal error ({type(exc).__name__}); see the server log")
 
-    from localllm.server import blobs, llamacpp, ollama, ollama_gen, openai
+    from localllm.server import blobs, llamacpp, llamacpp_info, ollama, ollama_gen, openai
 
     app.include_router(ollama.router)
     app.include_router(blobs.router)
     app.include_router(ollama_gen.router)
     app.include_router(openai.router)
     app.include_router(llamacpp.router)
+    app.include_router(llamacpp_info.router)
 
     @app.get("/")
     async def root() -> Response:

@@ -1,5 +1,6 @@
 """llama.cpp server dialect for editor plugins: /infill (llama.vim, llama.vscode), /completion, /tokenize,
-/detokenize, /embedding, /apply-template, /health (/v1/health), /props, /slots, /metrics.
+/detokenize, /embedding, /apply-template; the server state (/health, /props, /slots, /metrics) is in
+llamacpp_info.py.
 
 Field names and shapes follow llama-server (tools/server/README.md, server-task.cpp): a streamed
 /completion sends each piece once (`content` + its `tokens`), and the final `"stop": true` event carries
@@ -23,17 +24,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from localllm.compose.requests import PARAM_KEYS, Options, params_from
+from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
 from localllm.runtime.types import GenerationParams, Result
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, default_model, held
 from localllm.server.llamacpp_prompts import merged, split_prompts
-from localllm.server.wire import Body, probs_json, timings_dict
+from localllm.server.wire import Body, notice_dict, probs_json, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -159,7 +160,7 @@ def _samplers(value: list[str] | str | None) -> list[str]:
     return list(value)
 
 
-def _settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop: list[str] | None = None,
+def generation_settings(params: GenerationParams, n_ctx: int, *, n_predict: int = -1, stop: list[str] | None = None,
               n_keep: int = 0, ignore_eos: bool = False, stream: bool = False, grammar: str | None = None,
               samplers: list[str] | str | None = None, model: str = "", n_probs: int | None = None,
               post_sampling_probs: bool = False) -> dict[str, Any]:
@@ -239,12 +240,15 @@ async def _start(request: Request, body: CompletionBody, build: Any,
         return {"index": index, "content": text, "tokens": tokens, "id_slot": id_slot(), "stop": True, "model": name,
                 "tokens_predicted": 0 if warmup else acc.usage.completion_tokens,
                 "tokens_evaluated": acc.usage.prompt_tokens,
-                "generation_settings": _settings(req.params, n_ctx, n_predict=n_predict, stop=req.stop,
+                "generation_settings": generation_settings(req.params, n_ctx, n_predict=n_predict, stop=req.stop,
                                                  n_keep=body.n_keep, ignore_eos=body.ignore_eos, stream=body.stream,
                                                  grammar=body.grammar, samplers=body.samplers, model=name,
                                                  n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs),
                 "prompt": shown, "has_new_line": "\n" in acc.text,
-                "truncated": any(n.kind in ("prompt_truncated", "context_shift") for n in acc.notices),
+                # anything dropped or cut short says so: llama-server's flag, and localllm's notices
+                "truncated": any(n.kind in ("prompt_truncated", "context_shift", "history_truncated",
+                                            "context_full") for n in acc.notices),
+                **({"notices": [notice_dict(n) for n in acc.notices]} if acc.notices else {}),
                 "stop_type": stop_type, "stopping_word": acc.stop_word or "", "tokens_cached": acc.usage.cached_tokens,
                 "timings": timings_dict(acc.timings),
                 # streamed, each partial event carried its own
@@ -397,102 +401,3 @@ async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]
     async with held(state, default_model(state, body.model)) as lease:
         fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
         return {"prompt": (await run_in_threadpool(fmt.render, body.messages)).text}
-
-
-@router.get("/health")
-@router.get("/v1/health")
-async def health(request: Request) -> Response:
-    """llama-server's answer while `serve --model` loads at start: 503 "Loading model"
-    (unavailable_error); later, 503 {"status": "loading model"} while the pool loads a model; else 200 ok."""
-    if getattr(request.app.state, "starting", False):
-        return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
-                            status_code=503)
-    loads = getattr(request.app.state, "loads", None)
-    if loads is not None and loads.loading:
-        return JSONResponse({"status": "loading model"}, status_code=503)
-    return JSONResponse({"status": "ok"})
-
-
-def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
-    """(pool entry, engine) for each loaded model, read without holding them; the server's default model
-    (`serve --model`) last, so /props and /slots show it as llama-server shows its one model."""
-    pool = state.pool
-    if pool is None:
-        return []
-    loaded = dict(pool.engines())
-    out = [(m, loaded.get(m["name"])) for m in pool.loaded() if loaded.get(m["name"]) is not None]
-    default = getattr(state, "default_name", None)
-    return sorted(out, key=lambda pair: pair[0]["name"] == default)  # stable: load order otherwise
-
-
-@router.get("/props")
-async def props(request: Request) -> dict[str, Any]:
-    """llama-server's /props for the model loaded most recently (model_path is its name, never a file path)."""
-    state = request.app.state
-    engines = _engines(state)
-    m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
-    n_ctx = getattr(engine, "n_ctx", None) or 0
-    slots = len(engine.stats()["slots"]) if engine is not None else state.settings.slots
-    template = ""
-    if engine is not None:
-        async with held(state, m["name"]) as lease:  # held: the format reads the model's special tokens
-            fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
-            template = fmt.template or ""
-    defaults = state.composer.defaults()  # the server's --temp / --seed / --n-predict
-    params = _settings(params_from(defaults.sampling), n_ctx, stream=True, n_predict=defaults.max_tokens or -1)
-    params.pop("n_ctx"), params.pop("model")
-    return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
-            "total_slots": slots, "model_alias": m["name"], "model_path": m["name"],  # never a file path
-            "chat_template": template, "build_info": f"localllm {_version()}",
-            "modalities": {"vision": False, "video": False, "audio": False}, "is_sleeping": False}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("localllm")
-    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
-        return "dev"
-
-
-@router.get("/slots")
-async def slots(request: Request) -> list[dict[str, Any]]:
-    engines = _engines(request.app.state)
-    want = request.query_params.get("model")  # several models on one port: ?model= picks one
-    engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
-    if not engines:
-        return []
-    m, engine = engines[-1]
-    st = engine.stats()
-    # a crashed runner's slots say so ("state": "crashed"), and are not processing
-    return [{"id": s["id"], "n_ctx": st["n_ctx"], "is_processing": s["state"] not in ("idle", "crashed"),
-             "state": s["state"], "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    totals = {"prompt_tokens_total": 0, "tokens_predicted_total": 0, "requests_processing": 0,
-              "requests_deferred": 0, "kv_cache_tokens": 0, "n_decode_total": 0, "n_drafted_total": 0,
-              "n_drafted_accepted_total": 0}
-    cells = 0
-    for _, engine in _engines(request.app.state):
-        st = engine.stats()
-        totals["prompt_tokens_total"] += st.get("prefill_tokens", 0)
-        totals["tokens_predicted_total"] += st.get("decoded_tokens", 0)
-        totals["requests_processing"] += sum(1 for s in st["slots"] if s["state"] != "idle")
-        totals["requests_deferred"] += st.get("waiting", 0)
-        totals["kv_cache_tokens"] += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"])
-        totals["n_decode_total"] += st.get("steps", 0)
-        totals["n_drafted_total"] += st.get("drafted", 0)
-        totals["n_drafted_accepted_total"] += st.get("draft_accepted", 0)
-        cells += st.get("n_ctx", 0)
-    kinds = {k: ("counter" if k.endswith("_total") else "gauge") for k in totals}
-    lines = []
-    for key, value in totals.items():
-        lines += [f"# HELP llamacpp:{key} {key.replace('_', ' ')}", f"# TYPE llamacpp:{key} {kinds[key]}",
-                  f"llamacpp:{key} {value}"]
-    ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
-    lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
-              "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

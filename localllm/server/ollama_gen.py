@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose.pool import parse_keep_alive
 from localllm.compose.requests import Options
 from localllm.errors import InvalidInput
-from localllm.compose.pool import parse_keep_alive
 from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
 from localllm.server.embeddings import embed_texts
