@@ -226,3 +226,58 @@ def test_unloading_ends_the_runner_process(two: Server) -> None:
     wait_idle(two.app.state.pool)
     assert not psutil.pid_exists(runner.pid) or proc.status() == psutil.STATUS_ZOMBIE
     assert httpx.get(two.url + "/api/ps").json()["models"] == []
+
+
+# ---- found in review -----------------------------------------------------------------------------
+def test_a_failed_load_leaves_no_thread_or_process_behind(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(ModelLoadError):
+            Runner(bad, n_ctx=256, slots=1)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
+def test_unload_mid_stream_is_an_error_not_a_short_answer(tiny_path: Path) -> None:
+    r = Runner(tiny_path, n_ctx=512, slots=1, threads=1)
+    stream = r.submit(Request(prompt="go on", max_tokens=None, ignore_eos=True, context_policy="shift",
+                              params=GenerationParams(temperature=0)))
+    it = iter(stream)
+    next(it)
+    r.close()
+    last = list(it)[-1]
+    assert last.finish_reason == "error" and "unloaded" in last.error.message
+    assert not psutil.pid_exists(r.pid) or psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_killed_runner_never_makes_idle_or_stats_raise(tiny_path: Path) -> None:
+    r = Runner(tiny_path, n_ctx=256, slots=1, threads=1)
+    os.kill(r.pid, signal.SIGKILL)
+    assert r.idle()  # no round trip: the pool's reaper and /api/ps cannot trip on a dying runner
+    deadline = time.monotonic() + 10
+    while r.failure is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.stats()["runner"]["state"] == "crashed"
+    r.close()
+
+
+def test_a_runner_exits_when_its_host_dies(tiny_path: Path, tmp_path: Path) -> None:
+    """The host killed with SIGKILL: its runner notices (parent gone) and exits, never an orphan holding memory."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom localllm.runtime.runner import Runner\n"
+            f"r = Runner({str(tiny_path)!r}, n_ctx=256, slots=1, threads=1)\nprint(r.pid, flush=True)\ntime.sleep(60)\n")
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(host.stdout.readline())
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

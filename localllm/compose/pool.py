@@ -7,6 +7,7 @@ The pool knows files and engine options, not names on disk: a `resolve(name, opt
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -245,6 +246,9 @@ class ModelPool:
             too_big = self.memory_budget is not None and used + spec.size_bytes > self.memory_budget
             return too_big or len(self._loaded) >= self.max_models
 
+        for key, entry in list(self._loaded.items()):  # crashed runners hold no memory: they go first
+            if getattr(entry.engine, "failure", None) is not None:
+                self._unload_locked(key)
         for key, entry in sorted(self._loaded.items(), key=lambda kv: kv[1].last_used):
             if not over():
                 return
@@ -259,5 +263,8 @@ class ModelPool:
             now = time.monotonic()
             with self._lock:
                 for key, entry in list(self._loaded.items()):
-                    if entry.users == 0 and now >= entry.expires_at and entry.engine.idle():
-                        self._unload_locked(key)
+                    try:
+                        if entry.users == 0 and now >= entry.expires_at and entry.engine.idle():
+                            self._unload_locked(key)
+                    except Exception:  # one model's trouble must not end keep_alive for all
+                        logging.getLogger("localllm.pool").exception("unloading %s failed", key)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import queue
 import signal
@@ -34,7 +35,10 @@ from localllm.runtime.slots import StreamState
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Request
 
-LOG_LINES = 30  # llama.cpp log lines kept for error messages
+LOG_LINES = 30  # llama.cpp log lines kept for the server log when a runner dies
+LOG_HINT = "the server log has llama.cpp's last lines"  # not the lines: they may name files
+CALL_TIMEOUT = 60.0  # a runner that takes longer to answer a call is stuck, not busy (calls never wait on decoding)
+_LOG = logging.getLogger("localllm.runner")
 _STOP = ("stop",)
 
 
@@ -124,18 +128,23 @@ class Runner:
                                       start_new_session=True)  # Ctrl-C reaches the host, which ends runners in order
         self.pid = self._proc.pid
         ready = self._expect("ready")
-        for target, name in ((self._read_log, "runner-log"), (self._read, "runner-read"),
-                             (self._write, "runner-write")):
-            threading.Thread(target=target, name=name, daemon=True).start()
-        self._send(("init", str(self.path), engine_kwargs))
-        if not ready.done.wait(load_timeout):
+        threads = [threading.Thread(target=t, name=n, daemon=True) for t, n in
+                   ((self._read_log, "runner-log"), (self._read, "runner-read"), (self._write, "runner-write"))]
+        self._reader = threads[1]
+        for t in threads:
+            t.start()
+        try:
+            self._send(("init", str(self.path), engine_kwargs))
+            if not ready.done.wait(load_timeout):
+                raise ModelLoadError(f"loading {self.path.name} took longer than {load_timeout:.0f} s; the runner "
+                                     "was stopped", LOG_HINT)
+            if not ready.ok:
+                raise ready.value
+        except BaseException:  # no thread, pipe or process outlives a runner that never got ready
+            self._closing = True
             self._kill()
-            ready.done.wait(5)
-            raise ModelLoadError(f"loading {self.path.name} took longer than {load_timeout:.0f} s; the runner was "
-                                 "stopped", self._tail_hint())
-        if not ready.ok:
-            self._kill()
-            raise ready.value
+            self._outbox.put(_STOP)
+            raise
         info = ready.value
         self.n_ctx: int = info["n_ctx"]
         self.n_batch: int = info["n_batch"]
@@ -150,16 +159,23 @@ class Runner:
         state.cancelled = _Cancel(self._outbox, rid)
         if request.truncate is not None:  # a hook into the caller's chat: it runs here, not in the runner
             request = self._fit_history(request, state)
-        reply = self._expect(rid)
         with self._lock:
             self._check()
+            reply = self._replies[rid] = _Reply()
             self._streams[rid] = state
-        self._send(("submit", rid, request))
-        reply.done.wait()
-        if not reply.ok:
+        try:
+            self._send(("submit", rid, request))
+            if not reply.done.wait(CALL_TIMEOUT):
+                state.cancelled.set()
+                raise EngineError(f"the runner for {self.label} did not take the request in {CALL_TIMEOUT:.0f} s",
+                                  "it may be stuck; unload the model to restart it")
+            if not reply.ok:
+                raise reply.value
+        except BaseException:
             with self._lock:
                 self._streams.pop(rid, None)
-            raise reply.value
+                self._replies.pop(rid, None)
+            raise
         return Stream(state, request.id, lambda: None, list(reply.value))
 
     def _fit_history(self, request: Request, state: StreamState) -> Request:
@@ -192,12 +208,10 @@ class Runner:
         self.call("engine", "reset_cache", timeout=timeout)
 
     def idle(self) -> bool:
-        if self.failure is not None:
-            return True
+        """No request in flight, known here: the engine frees a slot before it sends the finishing chunk,
+        so a runner with no open stream has no job (and a stuck or dead runner cannot block the pool)."""
         with self._lock:
-            if self._streams:
-                return False
-        return bool(self.call("engine", "idle"))
+            return not self._streams
 
     def waiting(self) -> int:
         """Requests in flight beyond the slots (not admitted yet), counted here without asking the runner."""
@@ -217,12 +231,13 @@ class Runner:
                 return
             self._closing = True
         if self._proc.poll() is None:
-            self._send(("close",))
+            self._outbox.put(("close",))  # behind any queued cancel; the child exits at once
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._kill()
         self._outbox.put(_STOP)
+        self._reader.join(timeout=5)  # frames already in the pipe (finished streams) are delivered first
         self._end(EngineError(f"{self.label} was unloaded while this request was running"))
 
     def fault(self, how: str) -> None:
@@ -238,11 +253,15 @@ class Runner:
     # ---- calls -----------------------------------------------------------------------------------
     def call(self, target: str, method: str, *args: Any, **kwargs: Any) -> Any:
         cid = next(self._ids)
-        reply = self._expect(cid)
         with self._lock:
             self._check()
+            reply = self._replies[cid] = _Reply()
         self._send(("call", cid, target, method, args, kwargs))
-        reply.done.wait()
+        if not reply.done.wait(CALL_TIMEOUT):
+            with self._lock:
+                self._replies.pop(cid, None)
+            raise EngineError(f"the runner for {self.label} did not answer {method} in {CALL_TIMEOUT:.0f} s",
+                              "it may be stuck; unload the model to restart it")
         if not reply.ok:
             raise reply.value
         return reply.value
@@ -321,10 +340,12 @@ class Runner:
             return
         how = _describe(code)
         if not hasattr(self, "model"):  # it never got ready: a load error that names the file
-            err: LocalLLMError = ModelLoadError(f"the runner loading {self.path} ended ({how})", self._tail_hint())
+            err: LocalLLMError = ModelLoadError(f"the runner loading {self.path} ended ({how})", LOG_HINT)
         else:
             err = RunnerCrashed(f"the runner for {self.label} stopped ({how}); the request could not finish",
-                                "the next request starts a fresh runner. " + self._tail_hint())
+                                "the next request starts a fresh runner; " + LOG_HINT)
+        err.log_tail = list(self._log)  # type: ignore[attr-defined]  # for the server log, never for clients
+        _LOG.error("%s\n  llama.cpp's last log lines:\n    %s", err.message, self._tail())
         self.failure = err
         self._end(err)
 
@@ -342,9 +363,9 @@ class Runner:
         with contextlib.suppress(OSError):
             self._proc.kill()
 
-    def _tail_hint(self) -> str:
-        tail = [line for line in self._log if line.strip()][-8:]
-        return ("llama.cpp's last log lines:\n    " + "\n    ".join(tail)) if tail else "llama.cpp logged nothing"
+    def _tail(self) -> str:
+        tail = [line for line in self._log if line.strip()][-12:]
+        return "\n    ".join(tail) if tail else "(llama.cpp logged nothing)"
 
 
 def _describe(code: int | None) -> str:

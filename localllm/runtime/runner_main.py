@@ -11,12 +11,17 @@ keeps the tail for error messages.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
+import signal
 import sys
 import threading
+import time
 from typing import IO, Any
 
 from localllm.runtime import runner_proto as proto
+from localllm.runtime.types import Chunk
 
 # what the host may read from the model once, at start (the rest of Model is forwarded as calls)
 MODEL_FIELDS = ("path", "n_vocab", "bos", "eos", "add_bos", "add_eos", "vocab_type", "n_ctx_train", "n_layer",
@@ -31,6 +36,7 @@ class _Child:
         self.lock = threading.Lock()
         self.engine: Any = None
         self.streams: dict[str, Any] = {}
+        self.calls = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="runner-call")
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.lock:
@@ -50,14 +56,13 @@ class _Child:
                 stream = self.streams.get(msg[1])
                 if stream is not None:
                     stream.cancel()
-            elif kind == "call":
-                self.call(*msg[1:])
+            elif kind == "call":  # on a worker: a slow call (reset_cache) must not hold up cancels
+                self.calls.submit(self.call, *msg[1:])
             elif kind == "fault":
                 fault(msg[1])
             elif kind == "close":
                 break
-        self.engine.close()
-        return 0
+        return 0  # the host closed or left: exit without a graceful engine teardown, the OS frees it all
 
     def start(self, path: str, kwargs: dict[str, Any]) -> bool:
         try:
@@ -84,12 +89,17 @@ class _Child:
         stream.forward(lambda chunk: self.forward(rid, stream, chunk))  # sent from the scheduler thread
 
     def forward(self, rid: str, stream: Any, chunk: Any) -> None:
+        """On the engine's scheduler thread: nothing may raise out of here into the engine."""
         if chunk.finish_reason is not None:
             self.streams.pop(rid, None)
         try:
             self.send(("chunk", rid, chunk, stream.slot))
         except (OSError, ValueError):  # the host is gone; the main loop sees the pipe close and exits
             pass
+        except Exception as exc:  # noqa: BLE001 - a chunk that cannot be sent ends its request, not the engine
+            stream.cancel()
+            with contextlib.suppress(Exception):
+                self.send(("chunk", rid, Chunk(finish_reason="error", error=exc), stream.slot))
 
     def call(self, cid: int, target: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         allowed = MODEL_CALLS if target == "model" else ENGINE_CALLS
@@ -142,7 +152,23 @@ def route_log() -> None:
     os.environ["LOCALLLM_DEBUG"] = "1"  # runtime.llama keeps this callback instead of silencing the log
 
 
+def watch_parent() -> None:
+    """Exit when the host is gone, even while loading a model or decoding (EOF is only seen between messages)."""
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=loop, name="runner-parent", daemon=True).start()
+
+
 def main() -> int:
+    with contextlib.suppress(ValueError, AttributeError):  # Ctrl-C goes to the host, which ends runners in order
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent()
     proto_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # native prints land in the log, not in a frame
     sys.stdout = sys.stderr
