@@ -399,19 +399,20 @@ def print_table(res: dict[str, Any]) -> None:
 def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, threads: int = 2, ctx: int = 4096,
          log: Any = None) -> dict[str, Any]:
     """`clients` clients sending requests back to back for `seconds`; errors must stay 0 and RSS flat."""
-    import psutil
 
     say = log or (lambda msg: None)
     model_file(model)  # an unknown name fails here, before a server starts
     with localllm_server(threads=threads, ctx=ctx, slots=clients) as (base, proc):
         target = Target("localllm", base, model, "localllm")
-        ps = _Tree(psutil.Process(proc.pid))  # the server and its runner processes together
+        def rss_mb() -> float:  # the server and its runner processes together
+            return tree_total(proc.pid, lambda p: p.memory_info().rss) / 2**20
+
         rss: dict[str, float] = {}
 
         async def go() -> dict[str, Any]:
             async with http_client(1) as c:
                 await one_request(c, target, "Hello", 4)  # the model is loaded before "start"
-            rss["start_mb"] = ps.memory_info().rss / 2**20
+            rss["start_mb"] = rss_mb()
             done, errors, tokens, first_errors, timeline = 0, 0, 0, [], [round(rss["start_mb"], 1)]
             progress = [0]  # requests done at each tenth: a slowdown over time shows here
             t0 = time.monotonic()
@@ -434,7 +435,7 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
             async def sampler() -> None:  # RSS every tenth of the run; "middle" is the fifth tenth
                 for k in range(1, 10):
                     await asyncio.sleep(max(0.0, t0 + k * seconds / 10 - time.monotonic()))
-                    mb = ps.memory_info().rss / 2**20
+                    mb = rss_mb()
                     timeline.append(round(mb, 1))
                     progress.append(done)
                     if k == 5:
@@ -444,7 +445,7 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
             async with http_client(clients) as c:
                 await asyncio.gather(sampler(), *(worker(i, c) for i in range(clients)))
             wall = time.monotonic() - t0
-            rss["end_mb"] = ps.memory_info().rss / 2**20
+            rss["end_mb"] = rss_mb()
             timeline.append(round(rss["end_mb"], 1))
             progress.append(done)
             return {"model": model, "seconds": round(wall, 1), "clients": clients, "gen": gen, "threads": threads,
@@ -456,20 +457,17 @@ def soak(model: str, *, seconds: float, clients: int = 16, gen: int = 64, thread
         return asyncio.run(go())
 
 
-class _Tree:
-    """A process and its children as one memory figure (the models live in runner processes)."""
+def tree_total(pid: int, measure: Any) -> float:
+    """`measure(process)` summed over a process and all its children: the server and its runner
+    processes, where the models live."""
+    import psutil
 
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
-
-    def memory_info(self) -> Any:
-        import psutil
-
-        total = self.proc.memory_info().rss
-        for child in self.proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += child.memory_info().rss
-        return type("Mem", (), {"rss": total})()
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += measure(p)
+    return total
 
 
 def print_soak(res: dict[str, Any]) -> None:

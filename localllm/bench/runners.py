@@ -25,6 +25,7 @@ from localllm.bench.http import (
     model_file,
     one_request,
     one_request_plain,
+    tree_total,
 )
 
 SIDES = {"runner": "1", "inline": "0"}
@@ -79,16 +80,8 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and all its children (the server and its runners)."""
-    import psutil
-
-    total = 0.0
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
+    """User + system CPU time of the server and its runners."""
+    return tree_total(pid, lambda p: p.cpu_times().user + p.cpu_times().system)
 
 
 async def _warm(target: Target) -> None:

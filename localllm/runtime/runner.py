@@ -64,14 +64,15 @@ class _Cancel(threading.Event):
     """A stream's cancel flag whose set() also tells the runner (Stream.cancel and an abandoned
     stream's finalizer both set it). SimpleQueue.put is safe from a finalizer; a lock is not."""
 
-    def __init__(self, outbox: queue.SimpleQueue[tuple[Any, ...]], rid: str) -> None:
+    def __init__(self, outbox: queue.SimpleQueue[tuple[Any, ...]], rid: str, state: StreamState) -> None:
         super().__init__()
-        self._outbox, self._rid = outbox, rid
+        self._outbox, self._rid, self._state = outbox, rid, state
 
     def set(self) -> None:
         if not self.is_set():
             super().set()
-            self._outbox.put(("cancel", self._rid))
+            if not self._state.done:  # a finished stream's finalizer has nothing to tell the runner
+                self._outbox.put(("cancel", self._rid))
 
 
 class RemoteModel:
@@ -156,7 +157,7 @@ class Runner:
         """Queue a request in the runner. Raises InvalidInput / ContextOverflow before anything runs."""
         rid = f"{request.id}#{next(self._ids)}"
         state = StreamState()
-        state.cancelled = _Cancel(self._outbox, rid)
+        state.cancelled = _Cancel(self._outbox, rid, state)
         if request.truncate is not None:  # a hook into the caller's chat: it runs here, not in the runner
             request = self._fit_history(request, state)
         with self._lock:

@@ -6,7 +6,7 @@ in flight. When the host goes away (its end of the pipe closes), the child exits
 
 stdout is the protocol: it is moved to a private descriptor at start and fd 1 becomes stderr, so
 anything native code prints cannot corrupt a frame. stderr carries llama.cpp's log, of which the host
-keeps the tail for error messages.
+keeps the tail for the server log when a runner dies.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from localllm.runtime.types import Chunk
 # what the host may read from the model once, at start (the rest of Model is forwarded as calls)
 MODEL_FIELDS = ("path", "n_vocab", "bos", "eos", "add_bos", "add_eos", "vocab_type", "n_ctx_train", "n_layer",
                 "n_swa", "media_tokens")
-ENGINE_CALLS = frozenset({"tokenize", "detokenize", "stats", "reset_cache", "idle"})
+ENGINE_CALLS = frozenset({"tokenize", "detokenize", "stats", "reset_cache"})
 MODEL_CALLS = frozenset({"tokenize", "token_to_piece", "detokenize", "token_text", "is_eog", "meta", "size_bytes"})
 
 
