@@ -169,8 +169,9 @@ def test_chat_tool_calls(client: ollama.Client) -> None:
     for stream in (False, True):
         r = client.chat(model=TINY, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
                         format=CALL_SCHEMA, options={"num_predict": 60}, stream=stream)
-        last = list(r)[-1] if stream else r  # type: ignore[call-overload]
-        calls = last.message.tool_calls
+        # streamed, as Ollama does: each call whole in a line of its own once complete, then the done line
+        lines = list(r) if stream else [r]  # type: ignore[call-overload]
+        calls = [c for x in lines for c in (x.message.tool_calls or [])]
         assert calls and calls[0].function.name == "get_weather" and calls[0].function.arguments == {"city": "Paris"}
 
 

@@ -156,17 +156,24 @@ def test_tool_calls(client: openai.OpenAI) -> None:
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
     chunks = list(client.chat.completions.create(model=TINY, messages=MSGS, tools=TOOLS, max_tokens=60,  # type: ignore[arg-type]
                                                  response_format=fmt, stream=True))  # type: ignore[arg-type]
-    last = [c for c in chunks if c.choices][-1].choices[0]
-    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].function.name == "get_weather"  # type: ignore[index,union-attr]
+    # streamed incrementally: the id and name once, then fragments of the arguments that add up to the whole
+    parts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert parts[0].id and parts[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert all(p.index == 0 and p.id is None for p in parts[1:]) and len(parts) > 2
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments  # type: ignore[union-attr]
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_parse_tool_calls_hermes_style() -> None:
-    from localllm.server.wire import parse_tool_calls
+    from localllm.compose.reply import ReplyFormat, read_reply
 
-    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-    assert parse_tool_calls(text) == ("Sure.", [{"name": "f", "arguments": {"x": 1}}])
-    assert parse_tool_calls('{"name": "g", "parameters": "{\\"y\\": 2}"}') == ("", [{"name": "g", "arguments": {"y": 2}}])
-    assert parse_tool_calls("just text {") == ("just text {", [])
+    hermes, bare = ReplyFormat(tools="hermes"), ReplyFormat(tools="json")
+    r = read_reply('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', hermes)
+    assert (r.content.strip(), [(c.name, c.args()) for c in r.calls]) == ("Sure.", [("f", {"x": 1})])
+    r = read_reply('{"name": "g", "parameters": "{\\"y\\": 2}"}', bare)
+    assert (r.content, [(c.name, c.args()) for c in r.calls]) == ("", [("g", {"y": 2})])
+    r = read_reply("just text {", hermes)
+    assert (r.content, r.calls) == ("just text {", [])
 
 
 def test_truncate_history_policy_drops_old_turns(client: openai.OpenAI) -> None:

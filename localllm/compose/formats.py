@@ -8,6 +8,7 @@ strings are the GGUF's own token ids rendered as text, else the catalog's string
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,28 @@ class ChatFormat:
 
     def render_text(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return self.render(messages, **extra).text
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: a tool call's arguments as an object (clients send
+    OpenAI's JSON string; Qwen's, Llama's and Mistral's templates write `arguments | tojson`)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"] or "{}")
+                    except ValueError:
+                        args = fn["arguments"]  # not JSON: the template gets it as it came
+                    c = {**c, "function": {**fn, "arguments": args}}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 def _text_of(content: Any) -> str:

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from localllm.compose.formats import ChatFormat
+from localllm.compose.formats import ChatFormat, template_messages
+from localllm.compose.reply import reply_plan, thinking, tool_choice
+from localllm.compose.tool_grammar import call_grammar
 from localllm.errors import InvalidInput
 from localllm.runtime.prefix_cache import common_prefix
 from localllm.runtime.templates import fim_prompt, truncate_history
@@ -61,6 +63,12 @@ class Options:
     n_probs: Any = None  # None: no probabilities; 0: the chosen token's; k: and the k most likely
     n_probs_name: str = "n_probs"
     post_sampling_probs: Any = False
+    # reasoning models: think None keeps the template's default, False asks for no reasoning, True for
+    # reasoning; reasoning_budget caps it in tokens (0 = no reasoning); tool_choice: auto/none/required
+    # or {"name"} (OpenAI's {"type": "function", "function": {"name"}} too)
+    think: Any = None
+    reasoning_budget: Any = None
+    tool_choice: Any = None
 
 
 @dataclass(frozen=True)
@@ -90,12 +98,29 @@ class RequestBuilder:
               truncatable: bool) -> Request:
         if not messages:
             raise InvalidInput("messages must not be empty")
-        extra = {"tools": tools} if tools else {}
+        messages = template_messages(messages)
+        think, budget = thinking(options.think, options.reasoning_budget)
+        choice = tool_choice(options.tool_choice, tools)
+        tools = tools if tools and choice != "none" else None
+        forced = bool(tools) and choice not in ("auto", "none")
+        if forced:  # the grammar writes the call at once: no reasoning before it
+            think, budget = False, None
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        if think is not None:
+            extra["enable_thinking"] = think  # Qwen3's templates (and others) read it
         parts = self.fmt.render(messages, **extra)
-        prompt = self._tokens(parts.text)
+        text, fmt = reply_plan(parts.text, self.fmt.template, think=think, budget=budget, tools=bool(tools))
+        prompt = self._tokens(text)
         n_keep = common_prefix(self._tokens(parts.system_prefix), prompt) if parts.system_prefix else 0
-        return self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy,
-                             truncate=self._truncator(messages, extra) if truncatable else None)
+        req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy,
+                            truncate=self._truncator(messages, extra) if truncatable else None)
+        req.reply = fmt
+        if forced:
+            assert tools is not None
+            if req.grammar is not None or req.json_schema is not None:
+                raise InvalidInput("tool_choice required or named cannot be combined with a grammar or format")
+            req.grammar = call_grammar(tools, choice, fmt.tools or "json")
+        return req
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
                template: bool = False, policy: str = "error") -> Request:

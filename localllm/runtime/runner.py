@@ -160,6 +160,8 @@ class Runner:
         state.cancelled = _Cancel(self._outbox, rid, state)
         if request.truncate is not None:  # a hook into the caller's chat: it runs here, not in the runner
             request = self._fit_history(request, state)
+        if request.reply is not None:  # the doors' business, and no class the runner need import
+            request = dataclasses.replace(request, reply=None)
         with self._lock:
             self._check()
             reply = self._replies[rid] = _Reply()

@@ -103,6 +103,9 @@ class Request:
     # truncate_history hook: given the largest prompt (in tokens) that fits, return a shorter
     # prompt (text or tokens) — e.g. the chat re-rendered without its oldest turns — or None.
     truncate: Callable[[int], str | list[int] | None] | None = None
+    # how the doors read the reply (compose.reply.ReplyFormat: reasoning markers, tool-call syntax, the
+    # reasoning budget); the engine never looks at it
+    reply: Any = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

@@ -24,7 +24,7 @@ from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, finish_reason, held
-from localllm.server.wire import Body, notice_dict, parse_tool_calls
+from localllm.server.wire import Body, notice_dict
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -33,6 +33,7 @@ POOL_OPTIONS = ("num_ctx", "num_thread", "num_gpu", "num_batch")
 
 class _GenCommon(Body):
     model: str
+    think: bool | str | None = None  # reasoning models: true/false, or "low"/"medium"/"high"
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     stream: bool = True
@@ -52,6 +53,9 @@ class OllamaMessage(Body):
     role: str
     content: str | None = ""
     images: list[str] | None = None
+    thinking: str | None = None  # a previous turn's reasoning: not sent back to the model
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None  # a tool result's tool
 
 
 class ChatRequest(_GenCommon):
@@ -120,45 +124,58 @@ async def _load_or_unload(state: Any, body: _GenCommon, chat: bool) -> Response:
                          "done_reason": "load"})
 
 
+def _calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """Ollama's tool_calls: arguments as an object."""
+    return [{"function": {"index": i, "name": c.name, "arguments": c.args()}} for i, c in enumerate(calls)]
+
+
 async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Response:
     state = request.app.state
     t0 = time.perf_counter()
     pool_opts, opts = _split_options(body.options)
-    g = await Generation.start(state, body.model, lambda lease: build(state, lease, _wire_options(opts, body.format)),
+    options = _wire_options(opts, body.format)
+    options.think = getattr(body, "think", None)
+    g = await Generation.start(state, body.model, lambda lease: build(state, lease, options),
                                options=pool_opts, keep_alive=body.keep_alive)
 
-    def line(text: str) -> dict[str, Any]:
+    def line(text: str, thinking: str = "", calls: list[Any] | None = None) -> dict[str, Any]:
         head = {"model": body.model, "created_at": now_rfc3339()}
-        return {**head, "message": {"role": "assistant", "content": text}} if chat else {**head, "response": text}
+        if not chat:
+            return {**head, "response": text, **({"thinking": thinking} if thinking else {})}
+        message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {}),
+                   **({"tool_calls": _calls(calls)} if calls else {})}
+        return {**head, "message": message}
 
-    tools = bool(getattr(body, "tools", None))
-    if not body.stream or tools:  # a tool call is only recognizable whole: answer in one line
+    if not body.stream:
         res = await g.collect()
-        out = {**line(res.text), "done": True, **_stats(res, t0, g.load_ms)}
-        if tools:
-            content, calls = parse_tool_calls(res.text)
-            if calls:
-                out["message"] = {"role": "assistant", "content": content,
-                                  "tool_calls": [{"function": c} for c in calls]}
-        if body.stream:
-            return StreamingResponse(iter([(json.dumps(out, ensure_ascii=False) + "\n").encode()]), media_type=NDJSON)
-        return JSONResponse(out)
+        reply = g.parser
+        return JSONResponse({**line(reply.content, reply.reasoning, reply.calls), "done": True,
+                             **_stats(res, t0, g.load_ms)})
 
     async def lines() -> AsyncIterator[bytes]:
-        acc = Result()
+        acc, sent = Result(), 0  # sent: tool calls already sent (each goes out whole, once complete)
         try:
             async with g:
-                async for chunk in g.chunks():
+                async for chunk, deltas in g.replies():
                     if chunk.error is not None:
                         msg = chunk.error.args[0] if chunk.error.args else "generation failed"
                         yield (json.dumps({"error": msg}) + "\n").encode()
                         return
                     acc.absorb(chunk)
+                    text = "".join(d.text for d in deltas if d.kind == "content")
+                    thinking = "".join(d.text for d in deltas if d.kind == "reasoning")
+                    calls = g.parser.calls
+                    ready = [c for c in calls[sent:] if c.done or chunk.finish_reason]
+                    if ready:
+                        sent += len(ready)
+                        yield (json.dumps({**line(text, thinking, ready), "done": False}, ensure_ascii=False)
+                               + "\n").encode()
+                        text = thinking = ""
                     if chunk.finish_reason:
-                        last = {**line(chunk.text), "done": True, **_stats(acc, t0, g.load_ms)}
+                        last = {**line(text, thinking), "done": True, **_stats(acc, t0, g.load_ms)}
                         yield (json.dumps(last, ensure_ascii=False) + "\n").encode()
-                    elif chunk.text:
-                        yield (json.dumps({**line(chunk.text), "done": False}, ensure_ascii=False) + "\n").encode()
+                    elif text or thinking:
+                        yield (json.dumps({**line(text, thinking), "done": False}, ensure_ascii=False) + "\n").encode()
         except Exception as exc:  # this client's stream only; the server log has the details
             logging.getLogger("localllm.server").exception("stream failed")
             yield (json.dumps({"error": f"generation failed ({type(exc).__name__})"}) + "\n").encode()
@@ -186,10 +203,23 @@ async def chat(body: ChatRequest, request: Request) -> Response:
         return await _load_or_unload(request.app.state, body, chat=True)
 
     def build(state: Any, lease: Lease, options: Options) -> GenRequest:
-        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages or []]
+        messages = [_message(m) for m in body.messages or []]
         return state.composer.builder(lease.name, lease.engine).chat(messages, options, tools=body.tools)
 
     return await _run(request, body, build, chat=True)
+
+
+def _message(m: OllamaMessage) -> dict[str, Any]:
+    """An Ollama message for the builder (OpenAI's shape: tool calls with ids, results with names)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                              "function": {"name": (c.get("function") or {}).get("name", ""),
+                                           "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
+                             for i, c in enumerate(m.tool_calls) if isinstance(c, dict)]
+    if m.tool_name:
+        out["name"] = m.tool_name
+    return out
 
 
 @router.post("/api/embed")

@@ -28,13 +28,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose.reply import Delta, finish_word
 from localllm.compose.requests import PARAM_KEYS, Options, choices, n_choices
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Chunk, Result, Usage
 from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, default_model, finish_reason
-from localllm.server.wire import Body, LegacyLogprobs, notice_dict, parse_tool_calls, probs_json, timings_dict
+from localllm.server.wire import Body, LegacyLogprobs, notice_dict, probs_json, timings_dict
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -76,6 +77,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # reasoning models: OpenAI's reasoning_effort, vLLM's and llama-server's chat_template_kwargs
+    # {"enable_thinking"}, and localllm's think / reasoning_budget (tokens) as in the Ollama dialect
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    think: Any = None
+    reasoning_budget: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -106,7 +115,12 @@ def _wire_options(body: _Common, max_tokens: Any) -> Options:
         if direct is not None:
             sampling[key] = direct
     n_probs, n_probs_name = _n_probs(body)
-    return Options(sampling=sampling, max_tokens=max_tokens, stop=body.stop,
+    think, budget, choice = None, None, None
+    if isinstance(body, ChatCompletionRequest):
+        think = body.think if body.think is not None else (body.chat_template_kwargs or {}).get("enable_thinking")
+        think = think if think is not None else body.reasoning_effort
+        budget, choice = body.reasoning_budget, body.tool_choice
+    return Options(think=think, reasoning_budget=budget, tool_choice=choice, sampling=sampling, max_tokens=max_tokens, stop=body.stop,
                    format=getattr(body, "response_format", None), grammar=body.grammar,
                    context_policy=body.context_policy,
                    draft=body.model_extra or {}, logit_bias=body.logit_bias, openai_bias=True,
@@ -159,10 +173,16 @@ def _usage(u: Any) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def _tool_calls(calls: list[dict[str, Any]], delta: bool = False) -> list[dict[str, Any]]:
-    out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-    return [{"index": i, **c} for i, c in enumerate(out)] if delta else out
+def _message(reply: Any, reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of a whole reply (compose.reply read apart) and its finish reason."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.calls:
+        message["content"] = reply.content or None
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in reply.calls]
+    return message, finish_word(reason, reply.calls)
 
 
 # ---- rendering ---------------------------------------------------------------------------------------
@@ -175,18 +195,19 @@ def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _indexed(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
-    """The chunks of every choice as they come, each with its choice's index (one reader per stream)."""
+async def _indexed(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk, list[Delta]]]:
+    """The chunks of every choice as they come, each with its choice's index and the reply read from it
+    (one reader per stream)."""
     if len(gens) == 1:
-        async for chunk in gens[0].chunks():
-            yield 0, chunk
+        async for chunk, deltas in gens[0].replies():
+            yield 0, chunk, deltas
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, g: Generation) -> None:
         try:
-            async for chunk in g.chunks():
-                queue.put_nowait((i, chunk))
+            async for item in g.replies():
+                queue.put_nowait((i, item))
         except Exception as exc:  # noqa: BLE001 - handed to the reader
             queue.put_nowait((i, exc))
         finally:
@@ -202,7 +223,7 @@ async def _indexed(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield i, item
+                yield i, item[0], item[1]
     finally:  # a reader that stops early stops every choice
         for t in tasks:
             t.cancel()
@@ -228,15 +249,28 @@ class _Logprobs:
         return {"content": probs_json(entries)} if self.chat else self.legacy.render(entries)
 
 
+def _chat_delta(d: Delta) -> dict[str, Any]:
+    """A piece of the reply as a chat.completion.chunk delta (reasoning as llama-server's and
+    DeepSeek's `reasoning_content`, tool calls as OpenAI's indexed fragments)."""
+    if d.kind == "reasoning":
+        return {"reasoning_content": d.text}
+    if d.kind == "content":
+        return {"content": d.text}
+    if d.kind == "tool_start":
+        return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                "function": {"name": d.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+
+
 async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], include_usage: bool,
-                  echo: str = "", tools: bool = False) -> AsyncIterator[bytes]:
+                  echo: str = "") -> AsyncIterator[bytes]:
     """Chunks as SSE, each choice's with its index. An error after the stream started is sent as an `error`
     event, then [DONE]."""
     n = len(gens)
     asked = gens[0].request.n_probs is not None
     logprobs = [_Logprobs(asked, chat, len(echo)) for _ in range(n)]
     pending: list[list[Any]] = [[] for _ in range(n)]  # token probabilities not yet sent (text held back)
-    held_text, notices = [""] * n, [[] for _ in range(n)]
+    notices: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     usages: list[Any] = [None] * n
     timings: list[Any] = [None] * n
     try:
@@ -246,7 +280,7 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                                                  "logprobs": None, "finish_reason": None}]})
             elif echo:
                 yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
-        async for i, chunk in _indexed(gens):
+        async for i, chunk, deltas in _indexed(gens):
             if chunk.timings is not None:
                 timings[i] = timings_dict(chunk.timings)
             # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
@@ -260,24 +294,20 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                 break
             pending[i] += chunk.probs or []
             done = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+            if done:
+                done = finish_word(done, gens[i].parser.calls)
             ended = {"notices": notices[i]} if done and notices[i] else {}
-            if tools:  # a tool call is only recognizable whole: hold the text until the end
-                held_text[i] += chunk.text
-                if done:
-                    content, calls = parse_tool_calls(held_text[i])
-                    delta: dict[str, Any] = {"tool_calls": _tool_calls(calls, delta=True)} if calls else \
-                        {"content": content}
-                    yield _sse({**base, "choices": [{"index": i, "delta": delta,
-                                                     "logprobs": logprobs[i].render(pending[i]) if pending[i] else None,
-                                                     "finish_reason": "tool_calls" if calls else done}],
-                                **ended, **last})
-            elif chunk.text or done:
+            pieces = [_chat_delta(d) for d in deltas] if chat else \
+                [{"text": d.text} for d in deltas if d.kind == "content"]
+            if done and not pieces:
+                pieces = [{} if chat else {"text": ""}]
+            for k, piece in enumerate(pieces):
                 lp = logprobs[i].render(pending[i]) if pending[i] else None
                 pending[i] = []
-                piece = {"content": chunk.text} if chunk.text else {}
-                choice = ({"index": i, "delta": piece, "logprobs": lp, "finish_reason": done} if chat else
-                          {"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": done})
-                yield _sse({**base, "choices": [choice], **ended, **(last if done else {})})
+                end = done if k == len(pieces) - 1 else None
+                choice = ({"index": i, "delta": piece, "logprobs": lp, "finish_reason": end} if chat else
+                          {"index": i, **piece, "logprobs": lp, "finish_reason": end})
+                yield _sse({**base, "choices": [choice], **(ended if end else {}), **(last if end else {})})
             if chunk.usage is not None:
                 usages[i] = chunk.usage
         if include_usage and all(u is not None for u in usages):
@@ -337,8 +367,7 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
-        events = _events(gens, chat=chat, base=base, include_usage=include, echo=echo,
-                         tools=bool(getattr(body, "tools", None)))
+        events = _events(gens, chat=chat, base=base, include_usage=include, echo=echo)
         return StreamingResponse(events, media_type=SSE, headers={"Cache-Control": "no-cache"})
     results = await _collect(gens)
     asked = g.request.n_probs is not None
@@ -347,12 +376,7 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
         reason = finish_reason(res.finish_reason)
         logprobs = _Logprobs(asked, chat, len(echo)).render(res.probs)
         if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": res.text}
-            if getattr(body, "tools", None):
-                content, calls = parse_tool_calls(res.text)
-                if calls:
-                    message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
-                    reason = "tool_calls"
+            message, reason = _message(gens[i].parser, reason)
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             out.append({"index": i, "text": echo + res.text, "logprobs": logprobs, "finish_reason": reason})

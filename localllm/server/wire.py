@@ -1,12 +1,9 @@
-"""What the dialects share on the wire: the request-body base and tool calls read out of a reply."""
+"""What the dialects share on the wire: the request-body base, timings, token probabilities, notices."""
 
 from __future__ import annotations
 
 import codecs
-import contextlib
-import json
 import math
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -79,40 +76,3 @@ class Body(BaseModel):
     and llama-server's flat `speculative.*` keys are read from them)."""
 
     model_config = ConfigDict(extra="allow")
-
-
-_TOOL_BLOCK = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(remaining content, [{name, arguments: dict}]) from a reply to a request that offered tools.
-
-    Understands the Hermes/Qwen `<tool_call>{...}</tool_call>` blocks and a reply that is a bare JSON
-    object {"name": ..., "arguments"|"parameters": {...}} (Llama 3.x style). Anything else is content.
-    """
-    def call(obj: Any) -> dict[str, Any] | None:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        return {"name": obj["name"], "arguments": args if isinstance(args, dict) else {}}
-
-    calls = []
-    for m in _TOOL_BLOCK.finditer(text):
-        with contextlib.suppress(ValueError):
-            c = call(json.loads(m.group(1)))
-            if c is not None:
-                calls.append(c)
-    if calls:
-        return _TOOL_BLOCK.sub("", text).strip(), calls
-    stripped = text.strip()
-    if stripped.startswith("{") and stripped.endswith("}"):
-        with contextlib.suppress(ValueError):
-            c = call(json.loads(stripped))
-            if c is not None:
-                return "", [c]
-    return text, []
