@@ -96,8 +96,9 @@ class Settings:
     # "no-amx" (AMX out, CPU_REPACK on) or "none" (no repacked weights at all)
     cpu_kernels: str = "auto"
     # llama-server's server-wide defaults (`serve --model/--n-predict/--temp/--seed/--chat-template`):
-    # the model loaded at start and answering requests that name none; what a request that leaves an
-    # option unset gets; a built-in template name or a Jinja file used instead of the models' own
+    # the models loaded at start and kept loaded ("a" or "a,b": see model_names), the first answering
+    # requests that name none; what a request that leaves an option unset gets; a built-in template name
+    # or a Jinja file used instead of the models' own
     model: str | None = None
     n_predict: int | None = None
     temperature: float | None = None
@@ -243,7 +244,7 @@ RULES: dict[str, Rule] = {
     "draft_adaptive": Rule("bool"),
     "cpu_kernels": Rule("choice", choices=("auto", "all", "no-amx", "none")),  # machine.kernels.SETTINGS
     "runners": Rule("bool"),
-    "model": Rule("str", optional=True),  # an installed name (the CLI checks it)
+    "model": Rule("str", optional=True),  # installed names, comma-separated (the CLI checks them)
     "n_predict": Rule("int", -1, 1 << 30, optional=True),  # -1: until the model stops; 0 is refused by the CLI
     "temperature": Rule("float", 0, optional=True),
     "seed": Rule("int", -1, MAX_SEED, optional=True),  # -1: a random seed per request
@@ -252,6 +253,11 @@ RULES: dict[str, Rule] = {
 _BY_TYPE = {"int": Rule("int"), "int | None": Rule("int", optional=True), "bool": Rule("bool"),
             "str": Rule("str"), "str | None": Rule("str", optional=True), "tuple[str, ...]": Rule("strs"),
             "float | None": Rule("float", optional=True)}
+
+
+def model_names(value: str | None) -> list[str]:
+    """The `model` setting's names in order ("a, b" → ["a", "b"]); empty pieces are skipped."""
+    return [n.strip() for n in (value or "").split(",") if n.strip()]
 
 
 def rule(name: str) -> Rule:

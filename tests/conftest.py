@@ -55,6 +55,22 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     thread.join(timeout=20)
 
 
+@pytest.fixture(scope="module")
+def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server over the tiny model plus tests/scriptmodel.py's THINKER and CALLER (real GGUFs whose greedy
+    replies are known: reasoning then an answer, reasoning then a tool call), one per test module."""
+    from helpers import install, start_server
+    from scriptmodel import CALLER, THINKER, make_script_gguf
+
+    root = tmp_path_factory.mktemp("script")
+    info, server, thread = start_server(root)
+    for name, script in (("thinker", THINKER), ("caller", CALLER)):
+        install(info.app.state.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     """anyio's pytest plugin runs the `pytest.mark.anyio` tests (no pytest-asyncio needed) on asyncio."""

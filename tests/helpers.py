@@ -160,6 +160,16 @@ def script(text: str, *, per: int = 1, notice: Notice | None = None, finish: str
     return chunks
 
 
+def script_reasoning(reasoning: str, answer: str, *, per: int = 1, finish: str = "stop") -> list[Chunk]:
+    """Chunks of a reasoning model's reply as the backends yield it, read apart: ReplyChunks carrying
+    `reasoning`, `per` words each, then the chunks of `script(answer)` (the answer's text)."""
+    from localllm.tui.backend import ReplyChunk
+
+    words = reasoning.split(" ")
+    pieces = [" ".join(words[i:i + per]) + (" " if i + per < len(words) else "") for i in range(0, len(words), per)]
+    return [ReplyChunk(reasoning=p) for p in pieces] + script(answer, finish=finish)
+
+
 class FakeBackend:
     def __init__(self, models: Sequence[str] = ("tiny:latest", "other:1b")) -> None:
         from localllm.tui.backend import CatalogRow, ModelRow

@@ -8,7 +8,6 @@ CALLER reasons then calls get_weather. So every assertion is on exact text, driv
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +15,15 @@ import httpx
 import ollama
 import openai
 import pytest
-from helpers import TINY, Server, install, start_server
-from scriptmodel import CALLER, CALLER_CALL, THINKER, THINKER_REPLY, WEATHER_TOOL, make_script_gguf
+from helpers import TINY, Server
+from scriptmodel import CALLER_CALL, THINKER, THINKER_REPLY, WEATHER_TOOL, make_script_gguf
 
-from localllm.compose.reply import ReplyFormat, ReplyParser, reply_plan, thinking, tool_choice
+from localllm.compose.reply import ReplyFormat, ReplyParser
+from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
 from localllm.errors import InvalidInput
 
 USER = [{"role": "user", "content": "What is the answer?"}]
 THINK = ("<think>", "</think>")
-
-
-@pytest.fixture(scope="module")
-def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("script")
-    info, server, thread = start_server(root)
-    install(info.app.state.store, make_script_gguf(root / "thinker.gguf", THINKER), "thinker:latest")
-    install(info.app.state.store, make_script_gguf(root / "caller.gguf", CALLER), "caller:latest")
-    yield info
-    server.should_exit = True
-    thread.join(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +131,12 @@ def test_openai_reasoning_apart_from_the_answer(oai: openai.OpenAI) -> None:
     assert _stream(oai, model="thinker", messages=USER) == (*THINKER_REPLY, [], "stop")
 
 
+def test_openai_reasoning_format_none_keeps_it_in_the_content(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="thinker", messages=USER, extra_body={"reasoning_format": "none"})  # type: ignore[arg-type]
+    m = r.choices[0].message
+    assert (_reasoning(m), m.content) == (None, f"<think>{THINKER_REPLY[0]}</think>\n\n{THINKER_REPLY[1]}")
+
+
 @pytest.mark.parametrize("off", [{"chat_template_kwargs": {"enable_thinking": False}},
                                  {"reasoning_effort": "none"}, {"think": False}, {"reasoning_budget": 0}])
 def test_openai_thinking_off(oai: openai.OpenAI, off: dict[str, Any]) -> None:
@@ -213,6 +208,17 @@ def test_tool_choice_named_forces_a_valid_call(script_srv: Server) -> None:
         assert calls and calls[0].function.name == "pick"  # type: ignore[union-attr]
         assert json.loads(calls[0].function.arguments)["color"] in ("red", "blue")  # type: ignore[union-attr]
         assert r.choices[0].finish_reason == "tool_calls"
+    # a free string argument: JSON forbids raw control characters in strings, and so does the grammar
+    # (llama-cpp-python's converter let a random model write them; the arguments then did not parse)
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=TINY, messages=USER, tools=[note], tool_choice="required",  # type: ignore[arg-type,list-item]
+                                           max_tokens=60, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        if r.choices[0].finish_reason == "tool_calls":
+            assert calls and isinstance(json.loads(calls[0].function.arguments)["text"], str)  # type: ignore[union-attr]
+        assert not any(ord(ch) < 32 for c in calls or [] for ch in c.function.arguments)  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=TINY, messages=USER, tools=[tool],  # type: ignore[arg-type,list-item]
                                        tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -199,3 +199,38 @@ def test_final_line_carries_cache_count_and_notices(srv: Server) -> None:
     assert "notice" not in finals[0] and finals[1]["prompt_cache_count"] > 0  # the second turn reused the prompt
     usage, timings = timings_from(finals[1])
     assert usage.cached_tokens == timings.cached_tokens == finals[1]["prompt_cache_count"]
+
+
+def test_stop_waits_for_streams_then_unloads(srv: Server) -> None:
+    """`ollama stop` (an empty request with keep_alive 0) while a reply streams: the reply finishes whole,
+    then the model unloads. It used to end the stream at once."""
+    import threading
+
+    wait_idle(srv.pool)
+    lines: list[dict] = []
+    started = threading.Event()
+
+    def read() -> None:
+        body = {"model": TINY, "prompt": "hello", "raw": True, "options": {"num_predict": 300}}
+        with httpx.stream("POST", srv.url + "/api/generate", json=body, timeout=60) as r:
+            for x in r.iter_lines():
+                if x.strip():
+                    lines.append(json.loads(x))
+                    started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert started.wait(30)
+    r = httpx.post(srv.url + "/api/generate", json={"model": TINY, "keep_alive": 0}, timeout=30)
+    assert r.json()["done_reason"] == "unload"
+    t.join(60)
+    assert lines[-1]["done"] and lines[-1]["done_reason"] == "length" and lines[-1]["eval_count"] == 300
+    assert "error" not in lines[-1]
+    assert httpx.get(srv.url + "/api/ps", timeout=10).json()["models"] == []
+
+
+def test_fim_generate_that_does_not_fit_is_refused(srv: Server) -> None:
+    """Continue's FIM (/api/generate with suffix) over the context: a 400, not a prompt cut apart."""
+    body = {"model": TINY, "prompt": "word " * 3000, "suffix": "end", "stream": False, "options": {"num_predict": 4}}
+    r = httpx.post(srv.url + "/api/generate", json=body, timeout=30)
+    assert r.status_code == 400 and "context" in r.json()["error"]

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "prune": ("localllm.cli.models", "prune", "Delete model files no name points at."),
     "run": ("localllm.cli.run", "run", "Run a model on a prompt, piped stdin, or interactively."),
     "bench": ("localllm.cli.bench", "bench", "Benchmark the engine against llama-cpp-python's Llama class."),
-    "serve": ("localllm.cli.serve", "serve", "Serve models over HTTP (OpenAI, Ollama and llama.cpp /infill dialects)."),
+    "serve": ("localllm.cli.serve", "serve", "Serve models over HTTP (OpenAI, Anthropic, Ollama and llama.cpp dialects)."),
     "ps": ("localllm.cli.serve", "ps", "Show the models a running server has loaded."),
     "quantize": ("localllm.cli.quantize", "quantize", "Quantize a model with llama.cpp (Q2_K … Q8_0) into the store."),
     "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),

@@ -19,10 +19,18 @@ from localllm.errors import LocalLLMError
 
 # ---- what config.py (a leaf) cannot check about the server's defaults ------------------------------
 def _check_model(value: Any) -> None:
+    """One installed name, or several separated by commas (`serve --model a,b`)."""
+    from localllm.config import model_names
     from localllm.models.store import Store
 
-    if Store().get(str(value)) is None:
-        raise ValueError(f"model {value!r} is not installed (see `localllm list`; `localllm pull {value}` installs it)")
+    names = model_names(str(value))
+    if not names:
+        raise ValueError(f"{value!r} names no model (give NAME or NAME,NAME,...)")
+    store = Store()
+    for name in names:
+        if store.get(name) is None:
+            raise ValueError(f"model {name!r} is not installed (see `localllm list`; `localllm pull {name}` "
+                             "installs it)")
 
 
 def _check_n_predict(value: Any) -> None:
@@ -66,6 +74,14 @@ def _flag_check(name: str) -> Callable[[click.Context, click.Parameter, Any], An
     return callback
 
 
+def _models_flag(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> str | None:
+    """`-m a,b` and `-m a -m b` alike: one comma-separated setting, checked (a bad name exits 2)."""
+    if not value:
+        return None
+    joined = ",".join(value)
+    return str(_flag_check("model")(ctx, param, joined))
+
+
 def _settings(host: str | None, port: int | None, **more: Any) -> Any:
     import dataclasses
 
@@ -93,10 +109,12 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 @click.option("--draft-max", type=Setting("draft_max"), help="Most tokens drafted per step, 0-64 (default 16).")
 @click.option("--cpu-kernels", type=Setting("cpu_kernels"), help="llama.cpp CPU kernels: auto (AMX kept out where "
               "it would be used), all, no-amx or none (LOCALLLM_CPU_KERNELS; see `localllm doctor`).")
-@click.option("-m", "--model", type=Setting("model"), callback=_flag_check("model"),
-              help="The default model: loaded at start (/health says 503 until it is) and kept loaded; requests "
-              "that name no model go to it, and OpenAI requests naming one that is not installed "
-              "(LOCALLLM_MODEL).")
+@click.option("-m", "--model", type=Setting("model"), multiple=True, callback=_models_flag,
+              metavar="NAME[,NAME...]",
+              help="Models to load at start and keep loaded (/health says 503 until all are; a request's "
+              "keep_alive does not unload them, an explicit unload does); the first is the default: requests "
+              "that name no model go to it, and OpenAI requests naming one that is not installed. Repeat the "
+              "flag or separate names with commas (LOCALLLM_MODEL).")
 @click.option("-c", "--ctx-size", "ctx", type=Setting("ctx"), help="Context size in tokens, in total: one KV cache "
               "shared by all slots, and one request may use all of it (llama-server's -c with --kv-unified). "
               "Default: what fits in memory (LOCALLLM_CTX).")
@@ -125,6 +143,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
       localllm serve --port 8012        (point llama.vim's g:llama_config.endpoint here)
       localllm serve --lookup --draft auto
       localllm serve -m qwen2.5-coder:1.5b --temp 0 -n 128 -c 8192
+      localllm serve -m qwen2.5-coder:1.5b,gemma3:270m   (both kept loaded; the first is the default)
     """
     # every setting is checked here, before the server is imported, built or bound
     settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max, cpu_kernels=cpu_kernels,
@@ -133,6 +152,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
 
     import uvicorn
 
+    from localllm.config import model_names
     from localllm.server.app import create_app
 
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
@@ -148,7 +168,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     if getattr(app, "state", None) is not None:
         app.state.on_fatal = fatal
     click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
-               + (f" (loading {settings.model})" if settings.model else ""), err=True)
+               + (f" (loading {', '.join(model_names(settings.model))})" if settings.model else ""), err=True)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
     except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down

@@ -41,6 +41,7 @@ class Loaded:
     last_used: float
     hold: contextlib.ExitStack
     users: int = 0  # requests currently holding the engine through `use()`
+    draining: bool = False  # unload asked for while in use: unloads when the last request lets go
 
     @property
     def expires_at(self) -> float:
@@ -120,6 +121,7 @@ class ModelPool:
         self.default_keep_alive = default_keep_alive
         self.max_models = max_models
         self._loaded: dict[str, Loaded] = {}
+        self._pinned: set[str] = set()  # `serve --model`: never expire, never evicted (see pin())
         self._lock = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}
         self._closed = threading.Event()
@@ -131,7 +133,8 @@ class ModelPool:
     def get(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
         """The engine for `name`, loading it (and evicting idle models to make room) when needed."""
         spec = self._resolve(name, options or {})
-        ka = parse_keep_alive(keep_alive, self.default_keep_alive)
+        ka = parse_keep_alive(keep_alive, self.default_keep_alive)  # checked even when pinned: a bad one is 400
+        ka = FOREVER if spec.name in self._pinned else ka
         with self._lock:
             gate = self._loading.setdefault(spec.name, threading.Lock())
         with gate:  # one load per name at a time; others wait and reuse it
@@ -175,16 +178,45 @@ class ModelPool:
                 with self._lock:
                     entry.users -= 1
                     entry.last_used = time.monotonic()
+                    if entry.draining and entry.users == 0:
+                        for key in [k for k, e in self._loaded.items() if e is entry]:
+                            self._unload_locked(key)
+
+    def pin(self, name: str) -> None:
+        """Keep `name` (a spec name) loaded: a request's keep_alive, the reaper and eviction for another
+        model never unload it. unload() still does (an explicit `keep_alive: 0` load request, a delete);
+        the next request loads it again, pinned."""
+        with self._lock:
+            self._pinned.add(name)
+            for entry in self._loaded.values():
+                if entry.spec.name == name:
+                    entry.keep_alive = FOREVER
 
     def touch(self, name: str, keep_alive: Any) -> None:
-        """Apply a keep_alive after a request; 0 unloads at once."""
+        """Apply a keep_alive after a request; 0 unloads at once. Pinned models keep theirs (forever)."""
         with self._lock:
             for key, entry in list(self._loaded.items()):
+                if entry.spec.name in self._pinned:
+                    continue
                 if key == name or entry.spec.name == name:
                     entry.keep_alive = parse_keep_alive(keep_alive, self.default_keep_alive)
                     entry.last_used = time.monotonic()
                     if entry.keep_alive == 0 and entry.users == 0 and entry.engine.idle():
                         self._unload_locked(key)
+
+    def unload_when_idle(self, name: str) -> bool:
+        """Unload `name` now if no request uses it, else when the last one ends (`ollama stop`: the
+        requests streaming from it finish first). Pinned models too: it is an explicit request."""
+        with self._lock:
+            keys = [k for k, e in self._loaded.items() if k == name or e.spec.name == name
+                    or k.split(":")[0] == name]
+            for key in keys:
+                entry = self._loaded[key]
+                if entry.users == 0 and entry.engine.idle():
+                    self._unload_locked(key)
+                else:
+                    entry.draining = True
+            return bool(keys)
 
     def unload(self, name: str) -> bool:
         with self._lock:
@@ -201,7 +233,8 @@ class ModelPool:
             return [{"name": k, "path": str(e.spec.path), "size": e.spec.size_bytes, "size_vram": e.spec.size_vram,
                      "expires_at": None if e.keep_alive == FOREVER else wall + (e.expires_at - now),
                      "context_length": getattr(e.engine, "n_ctx", None), "details": e.spec.details,
-                     "busy": e.users > 0 or not e.engine.idle(), "runner": _runner(e.engine)}
+                     "busy": e.users > 0 or not e.engine.idle(), "runner": _runner(e.engine),
+                     "pinned": e.spec.name in self._pinned}
                     for k, e in self._loaded.items()]
 
     def engines(self) -> list[tuple[str, Any]]:
@@ -244,7 +277,9 @@ class ModelPool:
         def over() -> bool:
             used = sum(e.spec.size_bytes for e in self._loaded.values())
             too_big = self.memory_budget is not None and used + spec.size_bytes > self.memory_budget
-            return too_big or len(self._loaded) >= self.max_models
+            # max_models counts the models that come and go; pinned ones are the operator's choice
+            unpinned = sum(1 for e in self._loaded.values() if e.spec.name not in self._pinned)
+            return too_big or (spec.name not in self._pinned and unpinned >= self.max_models)
 
         for key, entry in list(self._loaded.items()):  # crashed runners hold no memory: they go first
             if getattr(entry.engine, "failure", None) is not None:
@@ -252,10 +287,12 @@ class ModelPool:
         for key, entry in sorted(self._loaded.items(), key=lambda kv: kv[1].last_used):
             if not over():
                 return
-            if entry.users == 0 and entry.engine.idle():
+            if entry.users == 0 and entry.engine.idle() and entry.spec.name not in self._pinned:
                 self._unload_locked(key)
         if over() and self._loaded:
-            raise Overloaded(f"not enough memory to load {spec.name} while other models are busy",
+            pinned = sorted(e.spec.name for e in self._loaded.values() if e.spec.name in self._pinned)
+            why = f" or kept loaded by serve --model ({', '.join(pinned)})" if pinned else ""
+            raise Overloaded(f"not enough memory to load {spec.name} while other models are busy{why}",
                              "retry when current requests finish, or raise the memory budget")
 
     def _reap_loop(self, interval: float) -> None:
@@ -264,7 +301,8 @@ class ModelPool:
             with self._lock:
                 for key, entry in list(self._loaded.items()):
                     try:
-                        if entry.users == 0 and now >= entry.expires_at and entry.engine.idle():
+                        if entry.users == 0 and now >= entry.expires_at and entry.engine.idle() \
+                                and entry.spec.name not in self._pinned:
                             self._unload_locked(key)
                     except Exception:  # one model's trouble must not end keep_alive for all
                         logging.getLogger("localllm.pool").exception("unloading %s failed", key)

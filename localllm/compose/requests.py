@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from localllm.compose.formats import ChatFormat, template_messages
-from localllm.compose.reply import reply_plan, thinking, tool_choice
+from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
 from localllm.compose.tool_grammar import call_grammar
 from localllm.errors import InvalidInput
 from localllm.runtime.prefix_cache import common_prefix

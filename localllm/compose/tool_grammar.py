@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from localllm.compose.reply import tool_name
+from localllm.compose.reply_plan import tool_name
 from localllm.errors import InvalidInput
 from localllm.runtime.llama import json_schema_to_gbnf
 

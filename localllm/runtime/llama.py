@@ -92,9 +92,12 @@ def json_schema_to_gbnf(schema: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf as convert
 
     try:
-        return convert(schema)
+        gbnf = convert(schema)
     except Exception as exc:  # the converter raises assorted errors on bad schemas
         raise InvalidInput(f"invalid JSON schema: {exc}") from exc
+    # its string characters admit raw control characters, which JSON forbids (llama.cpp's own converter
+    # excludes them): a model could write a string no JSON parser reads back
+    return gbnf.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
-from localllm.config import Settings, load_settings
+from localllm.config import Settings, load_settings, model_names
 from localllm.errors import LocalLLMError
 from localllm.server.security import BodyTooLarge, GuardMiddleware, body_problem, error_body, is_blob_upload
 
@@ -140,20 +140,26 @@ def _installed_name(store: Any, name: str | None) -> str | None:
 
 
 async def load_default_model(app: FastAPI) -> None:
-    """Load `serve --model` once at start and keep it loaded; /health answers 503 "Loading model" until
-    then. A model that cannot load is logged and handed to `app.state.on_fatal` (the CLI stops the server,
-    as llama-server does when its model fails)."""
+    """Load the models of `serve --model a,b` once at start, in order, and keep them loaded (pinned in the
+    pool: no keep_alive or eviction unloads them); /health answers 503 "Loading model" until all are. A
+    model that cannot load is logged and handed to `app.state.on_fatal` (the CLI stops the server, as
+    llama-server does when its model fails); the ones after it are not loaded."""
     state, log = app.state, logging.getLogger("localllm.server")
+    pin = getattr(state.pool, "pin", None)  # a caller's pool may not pin: then keep_alive -1 is all
+    for name in state.pinned_names if pin is not None else ():
+        pin(name)  # all of them before any load: a request meanwhile cannot give one a keep_alive
+    name = state.default_name
     try:
-        await run_in_threadpool(state.pool.get, state.default_name, keep_alive=-1)
-        log.info("model %s loaded", state.default_name)
+        for name in state.pinned_names:
+            await run_in_threadpool(state.pool.get, name, keep_alive=-1)
+            log.info("model %s loaded", name)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - said in the log and to the CLI, never raised into the loop
         message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-        log.error("could not load the default model %s: %s", state.default_name, message)
+        log.error("could not load the model %s: %s", name, message)
         if state.on_fatal is not None:
-            state.on_fatal(f"could not load {state.default_name}: {message}")
+            state.on_fatal(f"could not load {name}: {message}")
     finally:
         state.starting = False
 
@@ -207,7 +213,10 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)
     app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
     app.state.embed_lock = threading.Lock()
-    app.state.default_name = _installed_name(app.state.store, settings.model)  # `serve --model`
+    # `serve --model a,b`: each kept loaded, the first answers requests that name no model
+    pinned = [_installed_name(app.state.store, n) for n in model_names(settings.model)]
+    app.state.pinned_names = [n for i, n in enumerate(pinned) if n and n not in pinned[:i]]
+    app.state.default_name = app.state.pinned_names[0] if app.state.pinned_names else None
     app.state.starting = bool(app.state.default_name)  # until the default model is loaded (or failed)
     app.state.on_fatal = None  # the CLI's hook: the default model could not load (llama-server exits)
 
@@ -239,14 +248,18 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
         logging.getLogger("localllm.server").exception("unhandled error on %s", request.url.path)
         return _json_error(request, 500, f"internal error ({type(exc).__name__}); see the server log")
 
-    from localllm.server import blobs, llamacpp, llamacpp_info, ollama, ollama_gen, openai
+    from localllm.server import blobs, llamacpp, llamacpp_info, ollama, ollama_gen, openai, responses
 
     app.include_router(ollama.router)
     app.include_router(blobs.router)
     app.include_router(ollama_gen.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(llamacpp.router)
     app.include_router(llamacpp_info.router)
+    from localllm.server import anthropic  # Anthropic's Messages API
+
+    app.include_router(anthropic.router)
 
     @app.get("/")
     async def root() -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -21,9 +22,10 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.reply import Delta, ReplyParser
 from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError, ModelNotFound, Overloaded
 from localllm.runtime.stream import achunks
-from localllm.runtime.types import Chunk, Request, Result
+from localllm.runtime.types import Chunk, Request, Result, Usage
 
 DEFAULT_MAX_WAITING = 64  # per engine; beyond it a request gets 503 + Retry-After instead of waiting forever
 RETRY_AFTER_S = 2
@@ -72,8 +74,8 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
         raise
     finder = getattr(pool, "name_of", None)
     key = (finder(engine) if finder else None) or name
-    if keep_alive is None and key == getattr(state, "default_name", None):
-        pool.touch(key, -1)  # the server's --model stays loaded, as llama-server's one model does
+    if keep_alive is None and not hasattr(pool, "pin") and key in getattr(state, "pinned_names", ()):
+        pool.touch(key, -1)  # a pool that cannot pin: the server's --model stays loaded this way
     return Lease(key, engine, (time.perf_counter() - t0) * 1000, cm)
 
 
@@ -88,8 +90,8 @@ async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
 
 
 def default_model(state: Any, model: str | None, *, unknown: bool = False) -> str:
-    """The model a llama.cpp-style request means: the given name, else the server's default model
-    (`serve --model`), else the most recently loaded model, else the only installed one. With
+    """The model a llama.cpp-style request means: the given name, else the server's default model (the
+    first of `serve --model a,b`), else the most recently loaded model, else the only installed one. With
     `unknown=True` (the OpenAI door: llama-server serves its model whatever the field says) a valid name
     that is not installed means the same, when that choice is clear: the default model, else exactly one
     model loaded, else exactly one installed; otherwise a 404 that names the model and lists what is
@@ -151,6 +153,7 @@ class Generation:
         self.keep_alive = keep_alive
         self.finished = False  # the stream reached its end (nothing left to cancel)
         self.completed = False  # ... and its reader saw it all: keep_alive applies
+        self.parser = ReplyParser(request.reply)  # the reply, read as it streams (replies())
         # a response that never starts (client gone before the first byte) still lets go of the model
         weakref.finalize(self, lease.release)
 
@@ -205,11 +208,67 @@ class Generation:
                 self.finished = True
         self.finished = self.completed = True
 
+    async def replies(self) -> AsyncIterator[tuple[Chunk, list[Delta]]]:
+        """The chunks, each with the reply read from it (compose.reply: reasoning, answer text, tool calls;
+        the last chunk carries what was held back). When the reasoning outgrows the request's budget, it is
+        closed for the model: this stream is cancelled (and read to its end, which frees its slot with the
+        tokens in it) and one continuing from its tokens plus the close marker takes its place, so the
+        prefix cache prefills only the marker; usage counts both as one reply."""
+        budget = getattr(self.request.reply, "budget", None)
+        spent, generated = 0, []
+        cont: tuple[int, int, int] | None = None  # prompt tokens, tokens before the swap, cached tokens
+        while True:
+            draining = False
+            async for chunk in achunks(self.stream):
+                if draining:  # what the cancelled stream still sends: only its cache count matters
+                    if chunk.finish_reason:
+                        cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
+                        break
+                    continue
+                thinking = self.parser.in_reasoning
+                generated += chunk.tokens
+                spent += len(chunk.tokens) if thinking else 0
+                deltas = self.parser.feed(chunk.text)
+                if chunk.finish_reason:
+                    self.finished = True
+                    deltas += self.parser.finish()
+                    if cont is not None and chunk.usage is not None:
+                        chunk.usage = Usage(cont[0], cont[1] + chunk.usage.completion_tokens, cont[2])
+                yield chunk, deltas
+                if (budget is not None and spent >= budget and self.parser.in_reasoning and cont is None
+                        and not chunk.finish_reason and self._room(generated)):
+                    self.stream.cancel()
+                    draining = True
+            if not draining:
+                break
+            cont = await self._answer(generated, cached)
+            yield Chunk(), self.parser.close_reasoning()
+        self.finished = self.completed = True
+
+    def _room(self, generated: list[int]) -> bool:
+        req = self.request
+        return isinstance(req.prompt, list) and (req.max_tokens or 0) - len(generated) > 2 \
+            and getattr(req.reply, "think", None) is not None
+
+    async def _answer(self, generated: list[int], cached: int) -> tuple[int, int, int]:
+        """Submit the rest of the reply: the prompt, the reasoning so far and its close marker, then the
+        answer. Returns (prompt tokens, tokens generated before it, prompt tokens that were cached)."""
+        req = self.request
+        assert isinstance(req.prompt, list)
+        # the marker first: text that starts with a newline would get SentencePiece's space prefix
+        close = await run_in_threadpool(self.engine.tokenize, req.reply.think[1] + "\n\n",
+                                        add_special=False, parse_special=True)
+        left = max((req.max_tokens or 0) - len(generated) - len(close), 1)
+        nxt = dataclasses.replace(req, prompt=[*req.prompt, *generated, *close], max_tokens=left,
+                                  truncate=None, id=req.id + "-answer")
+        self.stream = await run_in_threadpool(self.engine.submit, nxt)
+        return len(req.prompt), len(generated) + len(close), min(cached, len(req.prompt))
+
     async def collect(self) -> Result:
-        """The whole generation; raises the request's error."""
+        """The whole generation (the reply it read is in `parser`); raises the request's error."""
         res = Result()
         async with self:
-            async for chunk in self.chunks():
+            async for chunk, _ in self.replies():
                 res.absorb(chunk)
         return res
 

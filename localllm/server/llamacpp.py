@@ -256,9 +256,12 @@ async def _start(request: Request, body: CompletionBody, build: Any,
 
     async def run() -> AsyncIterator[dict[str, Any]]:
         """llama-server's partial events (a piece of text and its token ids) as they come, then the final one."""
-        acc, stop_type = Result(), None
+        acc, stop_type, cut = Result(), None, False
         n_prompt = len(prompt_ids)
         async for chunk in g.chunks():
+            if cut:  # stopped at n_indent / t_max_predict_ms: the cancelled stream's last chunk has the counts
+                acc.usage, acc.timings = chunk.usage or acc.usage, chunk.timings or acc.timings
+                continue
             acc.absorb(chunk)
             kept = None
             if (chunk.text or chunk.tokens) and not warmup:
@@ -274,7 +277,9 @@ async def _start(request: Request, body: CompletionBody, build: Any,
                            "tokens_evaluated": n_prompt,
                            **({"completion_probabilities": probs_json(chunk.probs)} if chunk.probs else {})}
                 if kept is not None:
-                    break  # the Generation's close() cancels the rest
+                    g.stream.cancel()  # no more text; read on for the usage and timings llama-server reports
+                    cut = True
+                    continue
             if chunk.finish_reason:  # "stop" is a stop string (the engine names it) or an end-of-generation token
                 stop_type = {"length": "limit"}.get(chunk.finish_reason) or ("word" if chunk.stop_word else "eos")
         yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))

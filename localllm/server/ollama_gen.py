@@ -114,7 +114,7 @@ async def _load_or_unload(state: Any, body: _GenCommon, chat: bool) -> Response:
     extra: dict[str, Any] = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     if body.keep_alive is not None and parse_keep_alive(body.keep_alive) == 0:
         if state.pool is not None:
-            state.pool.unload(state.store.require(body.model).name)
+            state.pool.unload_when_idle(state.store.require(body.model).name)  # streams finish first
         return JSONResponse({"model": body.model, "created_at": now_rfc3339(), **extra, "done": True,
                              "done_reason": "unload"})
     pool_opts, _ = _split_options(body.options)
@@ -191,7 +191,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     def build(state: Any, lease: Lease, options: Options) -> GenRequest:
         builder = state.composer.builder(lease.name, lease.engine)
         if body.suffix is not None:
-            return builder.infill(body.prompt or "", body.suffix, options, policy="shift")
+            # a FIM prompt that does not fit is refused: a shift would cut its FIM tokens apart (Continue
+            # sizes its prefix by /api/show's num_ctx)
+            return builder.infill(body.prompt or "", body.suffix, options, policy="error")
         return builder.prompt(body.prompt or "", options, system=body.system, template=not body.raw, policy="shift")
 
     return await _run(request, body, build, chat=False)

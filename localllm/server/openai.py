@@ -18,11 +18,13 @@ choice i uses seed + i); `logprobs` are the model's own (runtime/probs.py): chat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -153,8 +155,11 @@ def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
 def _chat_request(state: Any, body: ChatCompletionRequest, lease: Lease) -> GenRequest:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit),
-                                                                 tools=body.tools)
+    req = state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit), tools=body.tools)
+    if (body.model_extra or {}).get("reasoning_format") == "none" and req.reply is not None:
+        # llama-server's reasoning_format "none": the reasoning stays in the content, markers and all
+        req.reply = dataclasses.replace(req.reply, think=None, in_reasoning=False)
+    return req
 
 
 def _completion_request(state: Any, body: CompletionRequest, lease: Lease) -> GenRequest:
@@ -406,8 +411,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.get("/v1/models")
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    data = [{"id": m.name, "object": "model", "created": int(m.created), "owned_by": "localllm"}
-            for m in request.app.state.store.list()]
+    installed = request.app.state.store.list()
+    if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() on the same path
+        data = [{"type": "model", "id": m.name, "display_name": m.name,
+                 "created_at": datetime.fromtimestamp(m.created, timezone.utc).isoformat().replace("+00:00", "Z")}
+                for m in installed]
+        return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
+    data = [{"id": m.name, "object": "model", "created": int(m.created), "owned_by": "localllm"} for m in installed]
     return {"object": "list", "data": data}
 
 

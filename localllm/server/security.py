@@ -135,15 +135,33 @@ def is_blob_upload(method: str, path: str) -> bool:
     return method == "POST" and path.startswith("/api/blobs/") and "/" not in path[len("/api/blobs/"):]
 
 
-OPENAI_BARE = ("/chat/completions", "/embeddings", "/models")  # OpenAI paths without /v1 (openai.py)
+OPENAI_BARE = ("/chat/completions", "/embeddings", "/models", "/responses")  # OpenAI paths without /v1
 
 
 def is_openai_path(path: str) -> bool:
     return path.startswith(("/v1/", "/models/")) or path in OPENAI_BARE
 
 
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Anthropic's Messages API (anthropic.py): /v1/messages and what is under it (count_tokens)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body (also sent as a stream's `error` event); the type follows the status."""
+    kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": cap_echo(message)}}
+
+
 def error_body(path: str, status: int, message: str) -> bytes:
     """The error shape of the dialect the path belongs to; client values in `message` are capped."""
+    if is_anthropic_path(path):  # before OpenAI's /v1/*
+        return json.dumps(anthropic_error(status, message)).encode()
     message = cap_echo(message)
     if is_openai_path(path):
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",

@@ -1,5 +1,8 @@
 """The chat app: a transcript of Markdown turns, a prompt box, a status bar and a sidebar of saved chats.
 
+A reasoning model's reasoning streams into a folded block above its answer; only the answer is part of
+the conversation sent back to the model (the history keeps the reasoning apart, in the turn's meta).
+
 Generation runs in a thread worker that iterates the backend's blocking stream into a buffer and posts
 a StreamReady message per batch; the handler appends the batch to the reply's last Markdown segment,
 at most FLUSH_INTERVAL apart, so a token never re-renders the whole reply (tests/bench_tui.py measures).
@@ -25,7 +28,7 @@ from textual.widgets import Footer, Static
 
 from localllm.runtime.types import Chunk, Notice
 from localllm.tui import commands
-from localllm.tui.backend import ChatBackend, ChatSettings, ChatStream
+from localllm.tui.backend import ChatBackend, ChatSettings, ChatStream, reasoning_of
 from localllm.tui.history import History
 from localllm.tui.screens import HelpScreen, ModelPicker, RenameScreen, SettingsScreen
 from localllm.tui.widgets import (
@@ -86,7 +89,8 @@ class ChatApp(App[None]):
         self._stream: ChatStream | None = None
         self._reply: AssistantTurn | None = None
         self._segment: ReplySegment | None = None
-        self._reply_text: list[str] = []
+        self._reply_text: list[str] = []  # the answer
+        self._reasoning_text: list[str] = []  # the reasoning, apart
         # chunks handed from the worker thread to the event loop; one StreamReady per drained batch, so
         # a 2,000 tokens/s stream costs a few UI updates per frame instead of one message per token
         self._inbox: deque[tuple[int, Chunk]] = deque()
@@ -158,7 +162,7 @@ class ChatApp(App[None]):
         self.history.add_message(cid, "user", text)  # committed before generating: never lost
         await self.transcript.mount(UserTurn(text))
         self._reply = AssistantTurn(model=self.model)
-        self._reply_text = []
+        self._reply_text, self._reasoning_text = [], []
         await self.transcript.mount(self._reply)
         self.transcript.anchor()  # follow the reply until the user scrolls up
         self._segment = self._reply.segments[-1]
@@ -206,10 +210,17 @@ class ChatApp(App[None]):
         for chunk in batch:
             if chunk.notice is not None:
                 self.show_notice(chunk.notice)
+        reasoning = "".join(reasoning_of(c) for c in batch)
+        if reasoning and self._reply is not None:
+            if not self._reasoning_text:
+                self._activity("◇ thinking…  esc to stop")
+            self._reasoning_text.append(reasoning)
+            await self._reply.add_reasoning(reasoning)
         text = "".join(c.text for c in batch)
         if text:
             if not self._reply_text:
                 self._activity("✎ writing…  esc to stop")
+                self._end_reasoning()
             await self.write_reply(text)
         chunk = batch[-1]
         if chunk.finish_reason is not None:
@@ -253,15 +264,22 @@ class ChatApp(App[None]):
         self.last_finish = reason
         self._gen += 1
         self._activity(None)
-        text = "".join(self._reply_text)
+        text, reasoning = "".join(self._reply_text), "".join(self._reasoning_text)
+        self._end_reasoning()
         if self._reply is not None and reason == "cancelled":
             self._reply.add_class("cancelled")
             self._reply.border_subtitle = "stopped"
-        if text and self.conversation_id is not None:
+        if text and self.conversation_id is not None:  # the answer only goes back to the model
             self.messages.append({"role": "assistant", "content": text})
             self.history.add_message(self.conversation_id, "assistant", text,
-                                     {"model": self.model, "finish_reason": reason, **(meta or {})})
+                                     {"model": self.model, "finish_reason": reason,
+                                      **({"reasoning": reasoning} if reasoning else {}), **(meta or {})})
         self._reply = None
+
+    def _end_reasoning(self) -> None:
+        block = self._reply.reasoning_block if self._reply is not None else None
+        if block is not None:
+            block.finish()
 
     def action_stop(self) -> None:
         """Esc: stop at once, keep what was written."""
@@ -316,8 +334,9 @@ class ChatApp(App[None]):
         turns = []
         for m in self.history.messages(cid):
             self.messages.append({"role": m["role"], "content": m["content"]})
+            meta = m["meta"]
             turns.append(UserTurn(m["content"]) if m["role"] == "user"
-                         else AssistantTurn(m["content"], m["meta"].get("model")))
+                         else AssistantTurn(m["content"], meta.get("model"), meta.get("reasoning") or ""))
         await self.transcript.mount_all(turns)
         self.transcript.scroll_end(animate=False)
         self._status_model()
@@ -375,6 +394,9 @@ class ChatApp(App[None]):
         try:
             if name == "set":
                 self.say(commands.apply_set(self.settings, arg))
+                self._settings_changed()
+            elif name == "think":
+                self.say(commands.apply_think(self.settings, arg))
                 self._settings_changed()
             elif name == "show":
                 self.say(commands.show(self.settings, self.model))

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from localllm.compose.formats import ChatFormat
+from localllm.compose.reply import ReplyFormat, ReplyParser
 from localllm.compose.requests import Options, RequestBuilder
 from localllm.runtime.types import CONTEXT_POLICIES, Chunk, GenerationParams, Request
 
@@ -26,6 +27,7 @@ class ChatSettings:
     max_tokens: int | None = 1024
     num_ctx: int | None = None  # None: the model's planned context
     context_policy: str = "shift"
+    think: bool | None = None  # reasoning models: True/False turn reasoning on/off, None the model's default
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,9 +64,47 @@ class CatalogRow:
     context: int | None = None
 
 
+@dataclass
+class ReplyChunk(Chunk):
+    """A Chunk of a chat reply read apart (compose.reply): `text` is answer text only, `reasoning` the
+    model's reasoning. A plain Chunk from a stream counts as answer text."""
+
+    reasoning: str = ""
+
+
+def reasoning_of(chunk: Chunk) -> str:
+    """The reasoning a chunk carries ("" for a plain Chunk)."""
+    return chunk.reasoning if isinstance(chunk, ReplyChunk) else ""
+
+
 class ChatStream(Protocol):
+    """A reply's chunks: ReplyChunks (reasoning apart from the answer) or plain Chunks (answer only)."""
+
     def __iter__(self) -> Iterator[Chunk]: ...
     def cancel(self) -> None: ...
+
+
+class ParsedStream:
+    """A runtime stream whose raw text (`<think>…</think>` and all) is read by compose.reply's parser:
+    each chunk comes out as a ReplyChunk with the reasoning and the answer apart."""
+
+    def __init__(self, stream: Any, fmt: ReplyFormat | None) -> None:
+        self.stream = stream
+        self.parser = ReplyParser(fmt)
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    def __iter__(self) -> Iterator[ReplyChunk]:
+        for chunk in self.stream:
+            deltas = self.parser.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                deltas += self.parser.finish()
+            # tool calls are not offered by the chat UI: anything else the parser reads is answer text
+            reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
+            content = "".join(d.text for d in deltas if d.kind == "content")
+            values = {f.name: getattr(chunk, f.name) for f in fields(Chunk)}
+            yield ReplyChunk(**{**values, "text": content}, reasoning=reasoning)
 
 
 class PullProgress(Protocol):
@@ -100,7 +140,7 @@ def catalog_rows(catalog: Any, installed: set[str]) -> list[CatalogRow]:
 def chat_options(settings: ChatSettings) -> Options:
     """A conversation's settings as request options (the same values the HTTP backend sends)."""
     return Options(sampling={"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p},
-                   max_tokens=settings.max_tokens, context_policy=settings.context_policy)
+                   max_tokens=settings.max_tokens, context_policy=settings.context_policy, think=settings.think)
 
 
 @dataclass
@@ -162,5 +202,5 @@ class EngineBackend:
 
     def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream:
         engine, req = self.request(model, messages, settings)
-        return engine.submit(req)
+        return ParsedStream(engine.submit(req), req.reply)
 

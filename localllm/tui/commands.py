@@ -11,6 +11,7 @@ HELP = """\
 |---|---|
 | `/set temperature 0.2` | also `top_p`, `top_k`, `max_tokens` (`num_predict`), `num_ctx`, `policy` |
 | `/set system TEXT` | the system prompt (`/set system` alone clears it) |
+| `/think on` | reasoning models: reason first (`off`: answer at once, `default`: as the model does) |
 | `/show` | the current settings |
 | `/clear` | start a new conversation (the old one stays in the sidebar) |
 | `/load MODEL` | switch model, keeping the conversation |
@@ -47,9 +48,11 @@ def parse(text: str) -> Command | None:
 def apply_set(settings: ChatSettings, arg: str) -> str:
     """Change one setting in place from '/set KEY VALUE'; returns a confirmation line."""
     key, _, value = arg.partition(" ")
+    if key.lower() in ("think", "nothink"):
+        return apply_think(settings, "off" if key.lower() == "nothink" else value or "on")
     field = ALIASES.get(key.lower())
     if field is None:
-        raise CommandError(f"unknown setting {key!r}; try one of: {', '.join(sorted(set(ALIASES)))}")
+        raise CommandError(f"unknown setting {key!r}; try one of: {', '.join(sorted(set(ALIASES) | {'think', 'nothink'}))}")
     value = value.strip()
     if field == "system":
         settings.system = value
@@ -72,8 +75,26 @@ def apply_set(settings: ChatSettings, arg: str) -> str:
     return f"{field} = {new}"
 
 
+THINK_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False,
+               "0": False, "default": None, "auto": None}
+
+
+def apply_think(settings: ChatSettings, arg: str) -> str:
+    """'/think on|off|default' (also '/set think …', and Ollama's '/set think' / '/set nothink')."""
+    word = arg.strip().lower()
+    if word not in THINK_WORDS:
+        raise CommandError(f"usage: /think on|off|default (now {think_word(settings.think)})")
+    settings.think = THINK_WORDS[word]
+    return f"thinking {think_word(settings.think)}" + (" (the model's default)" if settings.think is None else "")
+
+
+def think_word(think: bool | None) -> str:
+    return "default" if think is None else ("on" if think else "off")
+
+
 def show(settings: ChatSettings, model: str | None) -> str:
     s = settings
     return (f"model {model or '-'} · temperature {s.temperature} · top_p {s.top_p} · top_k {s.top_k} · "
-            f"max_tokens {s.max_tokens} · num_ctx {s.num_ctx or 'default'} · policy {s.context_policy}"
+            f"max_tokens {s.max_tokens} · num_ctx {s.num_ctx or 'default'} · policy {s.context_policy} · "
+            f"think {think_word(s.think)}"
             + (f"\nsystem: {s.system}" if s.system else ""))

@@ -1,7 +1,8 @@
 """ChatBackend over a running `localllm serve`, spoken in its Ollama dialect (NDJSON) with httpx.
 
-The app cannot tell it from the in-process EngineBackend: chunks carry text deltas and, on the last
-line, the finish reason, usage and timings rebuilt from Ollama's counts and nanosecond durations.
+The app cannot tell it from the in-process EngineBackend: chunks carry the answer's text and, apart,
+the reasoning (Ollama's `message.thinking`) and, on the last line, the finish reason, usage and timings
+rebuilt from Ollama's counts and nanosecond durations.
 Layering: HTTP only, nothing from localllm.server.
 """
 
@@ -32,6 +33,7 @@ from localllm.tui.backend import (
     ChatSettings,
     ModelRow,
     PullProgress,
+    ReplyChunk,
     build_messages,
     catalog_rows,
 )
@@ -101,7 +103,7 @@ class HttpStream:
             with contextlib.suppress(Exception):
                 self.response.close()
 
-    def __iter__(self) -> Iterator[Chunk]:
+    def __iter__(self) -> Iterator[Chunk]:  # ReplyChunks, and plain Chunks for errors and the end
         try:
             for raw in self.response.iter_lines():
                 if self._cancelled.is_set():
@@ -117,14 +119,16 @@ class HttpStream:
                     n = line["notice"]
                     yield Chunk(notice=Notice(n.get("kind", "context_shift"), int(n.get("n_dropped", 0)),
                                               str(n.get("message", ""))))
-                text = (line.get("message") or {}).get("content") or ""
+                message = line.get("message") or {}
+                text, thinking = message.get("content") or "", message.get("thinking") or ""
                 if line.get("done"):
                     usage, timings = timings_from(line)
                     reason = "length" if line.get("done_reason") == "length" else "stop"
-                    yield Chunk(text=text, finish_reason=reason, usage=usage, timings=timings)
+                    yield ReplyChunk(text=text, reasoning=thinking, finish_reason=reason, usage=usage,
+                                     timings=timings)
                     return
-                if text:
-                    yield Chunk(text=text)
+                if text or thinking:
+                    yield ReplyChunk(text=text, reasoning=thinking)
             if not self._cancelled.is_set():
                 raise httpx.RemoteProtocolError("the stream ended before its last line")
         except (httpx.HTTPError, OSError, ValueError) as exc:
@@ -241,8 +245,10 @@ class HttpBackend:
 
     def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> HttpStream:
         """Send the chat and return once the server has accepted it (4xx errors raise here)."""
-        body = {"model": model, "messages": build_messages(messages, settings), "stream": True,
-                "options": self.options(settings)}
+        body: dict[str, Any] = {"model": model, "messages": build_messages(messages, settings), "stream": True,
+                                "options": self.options(settings)}
+        if settings.think is not None:  # Ollama's own field (not an option); unset: the model's default
+            body["think"] = settings.think
         request = self._client.build_request("POST", "/api/chat", json=body, timeout=STREAM_TIMEOUT)
         try:
             response = self._client.send(request, stream=True)

@@ -13,7 +13,9 @@ from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressB
 
 from localllm.runtime.types import CONTEXT_POLICIES
 from localllm.tui.backend import ChatBackend, ChatSettings
-from localllm.tui.commands import HELP
+from localllm.tui.commands import HELP, THINK_WORDS, think_word
+
+THINK_CHOICES = ("default", "on", "off")
 
 KEYS = """\
 | key | does |
@@ -22,6 +24,7 @@ KEYS = """\
 | `ctrl+j` / `shift+enter` | new line in the prompt |
 | `up` / `down` (empty prompt), `ctrl+up` / `ctrl+down` | recall earlier prompts |
 | `escape` | stop the reply now (what was written is kept) |
+| a click, or `tab` to it and `enter` | unfold or fold a reply's reasoning |
 | `f1` | this help |
 | `f2` / `ctrl+b` | saved conversations (sidebar): `enter` resume, `r` rename, `d` delete, `e` export |
 | `f3` / `ctrl+o` | model picker: `enter` use, `p` pull |
@@ -154,6 +157,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 yield Label("context policy")
                 yield Select([(p, p) for p in CONTEXT_POLICIES], value=s.context_policy, allow_blank=False,
                              id="context_policy")
+                yield Label("thinking")  # reasoning models: reason first, answer at once, or the model's way
+                yield Select([(w, w) for w in THINK_CHOICES], value=think_word(s.think), allow_blank=False,
+                             id="think")
             yield Label("", id="settings-error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", id="save", variant="primary")
@@ -174,7 +180,8 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                                temperature=num("temperature", float), top_p=num("top_p", float),  # type: ignore[arg-type]
                                top_k=num("top_k", int), max_tokens=num("max_tokens", int),  # type: ignore[arg-type]
                                num_ctx=num("num_ctx", int),  # type: ignore[arg-type]
-                               context_policy=str(self.query_one("#context_policy", Select).value))
+                               context_policy=str(self.query_one("#context_policy", Select).value),
+                               think=THINK_WORDS[str(self.query_one("#think", Select).value)])
             problems = new.problems()
         except (TypeError, ValueError) as exc:
             problems = [str(exc)]

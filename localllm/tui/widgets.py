@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Label, ListItem, ListView, Markdown, Static, TextArea
+from textual.widgets import Collapsible, Label, ListItem, ListView, Markdown, Static, TextArea
 
 from localllm.runtime.types import Timings, Usage
 from localllm.tui.history import Conversation
@@ -50,20 +50,89 @@ class ReplySegment(Static):
         self.update(RichMarkdown(self.source, code_theme="monokai", hyperlinks=False))
 
 
-class AssistantTurn(Vertical):
-    """One reply, as one or more segments (see ChatApp.write_reply)."""
+class ReasoningBlock(Collapsible):
+    """A reply's reasoning, folded above its answer: the title counts its words (with "…" while it is
+    still being written); unfolded, the text shows muted and plain. The text widget is brought up to
+    date only while unfolded, so a long reasoning streams at no rendering cost."""
 
-    def __init__(self, text: str = "", model: str | None = None) -> None:
+    DEFAULT_CSS = """
+    ReasoningBlock { height: auto; background: $surface; border-top: none; padding: 0 0 1 0; }
+    ReasoningBlock > CollapsibleTitle { color: $text-muted; padding: 0; }
+    ReasoningBlock > Contents { padding: 0 0 0 2; }
+    ReasoningBlock .reasoning-text { color: $text-muted; text-style: italic; height: auto; }
+    """
+
+    def __init__(self, text: str = "", *, done: bool = True) -> None:
+        self.body = Static("", classes="reasoning-text", markup=False)
+        super().__init__(self.body, title="Reasoning", collapsed=True, classes="reasoning")
+        self.source = text
+        self.done = done
+        self._shown = ""
+        self._retitle()
+
+    @property
+    def words(self) -> int:
+        return len(self.source.split())
+
+    def append(self, text: str) -> None:
+        self.source += text
+        self._retitle()
+        self._show()
+
+    def finish(self) -> None:
+        """The reasoning is over (the answer began, or the reply ended)."""
+        if not self.done:
+            self.done = True
+            self._retitle()
+
+    def _retitle(self) -> None:
+        n = self.words
+        self.title = f"Reasoning{'' if self.done else '…'} ({n} word{'' if n == 1 else 's'})"
+
+    def _show(self) -> None:
+        if not self.collapsed and self._shown != self.source:
+            self._shown = self.source
+            self.body.update(self.source)
+
+    def on_collapsible_expanded(self, event: Collapsible.Expanded) -> None:
+        if event.collapsible is self:
+            self._show()
+
+
+class AssistantTurn(Vertical):
+    """One reply, as one or more segments (see ChatApp.write_reply), below its folded reasoning if any."""
+
+    def __init__(self, text: str = "", model: str | None = None, reasoning: str = "") -> None:
         super().__init__(classes="turn assistant")
         self.border_title = model or "assistant"
         self._initial = text
+        self._reasoning = reasoning
 
     def compose(self) -> ComposeResult:
+        if self._reasoning:
+            yield ReasoningBlock(self._reasoning)
         yield ReplySegment(self._initial)
 
     @property
     def segments(self) -> list[ReplySegment]:
         return [c for c in self.children if isinstance(c, ReplySegment)]
+
+    @property
+    def reasoning_block(self) -> ReasoningBlock | None:
+        return next((c for c in self.children if isinstance(c, ReasoningBlock)), None)
+
+    @property
+    def reasoning(self) -> str:
+        block = self.reasoning_block
+        return block.source if block is not None else ""
+
+    async def add_reasoning(self, text: str) -> None:
+        """Streamed reasoning: into the folded block above the answer (mounted with the first piece)."""
+        block = self.reasoning_block
+        if block is None:
+            block = ReasoningBlock(done=False)
+            await self.mount(block, before=0)
+        block.append(text)
 
     @property
     def source(self) -> str:
