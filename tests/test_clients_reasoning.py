@@ -70,6 +70,20 @@ CASES = [
     ('<tool_call>\n{"name": "w", "arguments": {"city": "Par', ReplyFormat(tools="hermes"),
      ("", "", [("w", '{"city": "Par', False)])),  # cut short: not a complete call
     ("<think>a</think>b", ReplyFormat(), ("", "<think>a</think>b", [])),  # no markers expected: all text
+    # found in review: a bare call or Mistral list right after the model's own reasoning block
+    ('<think>a</think>\n\n{"name": "f", "arguments": {}}', ReplyFormat(think=THINK, tools="json"),
+     ("a", "", [("f", "{}", True)])),
+    ('<think>a</think>[{"name": "f", "arguments": {}}]', ReplyFormat(think=THINK, tools="mistral"),
+     ("a", "", [("f", "{}", True)])),
+    # <|python_tag|> arriving in a piece of its own
+    ('<|python_tag|>{"name": "f", "arguments": {"x": 1}}', ReplyFormat(tools="json"), ("", "", [("f", '{"x": 1}', True)])),
+    # a name with a bad escape or a raw control character: read as written, never an exception
+    ('{"name": "a\\x", "arguments": {}}', ReplyFormat(tools="json"), ("", "", [("a\\x", "{}", True)])),
+    ('<tool_call>{"name": "a\nb", "arguments": {}}</tool_call>', ReplyFormat(tools="hermes"),
+     ("", "", [("a\nb", "{}", True)])),
+    # a second [TOOL_CALLS] list
+    ('[TOOL_CALLS][{"name":"f","arguments":{}}]\n\n[TOOL_CALLS][{"name":"g","arguments":{}}]',
+     ReplyFormat(tools="mistral"), ("", "", [("f", "{}", True), ("g", "{}", True)])),
 ]
 
 

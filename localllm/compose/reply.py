@@ -253,9 +253,9 @@ class ReplyParser:
             starts = self._starts(final)
             if starts is None:  # cannot tell yet
                 return []
-            self._fresh = False
-            if starts:
+            if starts:  # a reasoning block (after which the reply starts afresh) or a call began
                 return []
+            self._fresh = False
         markers = (HERMES[0],) if self.fmt.tools == "hermes" else ((MISTRAL,) if self.fmt.tools == "mistral" else ())
         for m in markers:
             i = self.buf.find(m)
@@ -263,6 +263,7 @@ class ReplyParser:
                 out = self._emit("content", self.buf[:i])
                 self.buf, self.mode, self._lead = self.buf[i + len(m):], "call", False
                 self._closer, self._list = (HERMES[1], False) if m == HERMES[0] else ("", True)
+                self._opened = False
                 return out
         keep = 0 if final else _held(self.buf, markers)
         out = self._emit("content", self.buf[:len(self.buf) - keep])
@@ -286,6 +287,8 @@ class ReplyParser:
             return False
         if b.startswith(PYTHON_TAG):
             b = b[len(PYTHON_TAG):].lstrip()
+            if not b and not final:
+                return None
         elif PYTHON_TAG.startswith(b) and not final:
             return None
         if self.fmt.tools == "mistral":
@@ -293,9 +296,10 @@ class ReplyParser:
                 return None
             if b.startswith((MISTRAL, "[{")):
                 self.buf, self.mode, self._closer, self._list = b.removeprefix(MISTRAL), "call", "", True
+                self._opened, self._fresh = False, False
                 return True
         elif b.startswith("{"):
-            self.buf, self.mode, self._closer, self._list = b, "call", "", False
+            self.buf, self.mode, self._closer, self._list, self._fresh = b, "call", "", False, False
             return True
         return False
 
@@ -314,7 +318,7 @@ class ReplyParser:
             b = b[1:].lstrip()
         if self._list and b.startswith("]") or self._closer and b.startswith(self._closer):
             self.buf = b[1:] if b.startswith("]") else b[len(self._closer):]
-            self.mode, self._lead = "content", True
+            self.mode, self._lead, self._opened = "content", True, False
             return []
         if not b:
             self.buf = ""
@@ -324,7 +328,7 @@ class ReplyParser:
         m = _HEADER.match(b)
         if m and b[m.end():].lstrip()[:1] == "{":  # `{"name": "...", "arguments": {` streams from here
             self.buf = b[m.end():]
-            self._cur = self._new_call(json.loads(f'"{m.group(1)}"'))
+            self._cur = self._new_call(_name(m.group(1)))
             self._args = _ValueEnd()
             return [Delta("tool_start", index=len(self.calls) - 1, id=self._cur.id, name=self._cur.name)]
         ended = (self._closer and self._closer in b) or (not self._closer and _value_end(b) is not None)
@@ -402,6 +406,14 @@ class ReplyParser:
             self.mode = "content"
         self._lead = True
         return out
+
+
+def _name(raw: str) -> str:
+    """A call's name as written between its quotes (JSON escapes decoded where they are valid)."""
+    try:
+        return str(json.loads(f'"{raw}"'))
+    except ValueError:  # a bad escape or a raw control character: keep the text as it is
+        return raw
 
 
 def _value_end(text: str) -> int | None:

@@ -218,9 +218,14 @@ class Generation:
         spent, generated = 0, []
         cont: tuple[int, int, int] | None = None  # prompt tokens, tokens before the swap, cached tokens
         while True:
-            draining = False
+            draining, cached = False, 0
             async for chunk in achunks(self.stream):
                 if draining:  # what the cancelled stream still sends: only its cache count matters
+                    if chunk.error is not None:  # it failed instead: that is the reply's end
+                        self.finished = True
+                        yield chunk, self.parser.finish()
+                        draining = False
+                        break
                     if chunk.finish_reason:
                         cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
                         break
@@ -245,24 +250,33 @@ class Generation:
             yield Chunk(), self.parser.close_reasoning()
         self.finished = self.completed = True
 
+    def _prompt(self) -> list[int]:
+        """The prompt the engine ran (after any truncation), else the request's."""
+        ran = getattr(self.stream, "prompt", None)
+        return list(ran) if ran else list(self.request.prompt)
+
     def _room(self, generated: list[int]) -> bool:
+        """Whether a continuation fits: tokens left to generate, and room in the context for the answer."""
         req = self.request
-        return isinstance(req.prompt, list) and (req.max_tokens or 0) - len(generated) > 2 \
-            and getattr(req.reply, "think", None) is not None
+        if not isinstance(req.prompt, list) or getattr(req.reply, "think", None) is None:
+            return False
+        n_ctx = int(getattr(self.engine, "n_ctx", 0) or 0)
+        used = len(self._prompt()) + len(generated) + 8  # the close marker and a few answer tokens
+        return (req.max_tokens or 0) - len(generated) > 2 and (not n_ctx or used < n_ctx)
 
     async def _answer(self, generated: list[int], cached: int) -> tuple[int, int, int]:
         """Submit the rest of the reply: the prompt, the reasoning so far and its close marker, then the
         answer. Returns (prompt tokens, tokens generated before it, prompt tokens that were cached)."""
         req = self.request
-        assert isinstance(req.prompt, list)
+        prompt = self._prompt()
         # the marker first: text that starts with a newline would get SentencePiece's space prefix
         close = await run_in_threadpool(self.engine.tokenize, req.reply.think[1] + "\n\n",
                                         add_special=False, parse_special=True)
         left = max((req.max_tokens or 0) - len(generated) - len(close), 1)
-        nxt = dataclasses.replace(req, prompt=[*req.prompt, *generated, *close], max_tokens=left,
+        nxt = dataclasses.replace(req, prompt=[*prompt, *generated, *close], max_tokens=left,
                                   truncate=None, id=req.id + "-answer")
         self.stream = await run_in_threadpool(self.engine.submit, nxt)
-        return len(req.prompt), len(generated) + len(close), min(cached, len(req.prompt))
+        return len(prompt), len(generated) + len(close), min(cached, len(prompt))
 
     async def collect(self) -> Result:
         """The whole generation (the reply it read is in `parser`); raises the request's error."""
