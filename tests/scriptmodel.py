@@ -17,7 +17,7 @@ import itertools
 from pathlib import Path
 
 import numpy as np
-from tinymodel import BOS, EOS, UNK, _vocab
+from tinymodel import EOS, _vocab, write_tokens
 
 # A Qwen3-style template: tools in the system turn (Hermes <tool_call> syntax), `enable_thinking`
 # false writes an empty reasoning block, assistant tool calls and tool results rendered back.
@@ -74,17 +74,8 @@ def make_script_gguf(path: str | Path, script: list[str], *, template: str = TEM
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(UNK)
+    write_tokens(w, toks, scores, types, add_bos=True)
     w.add_eot_token_id(toks.index("<|im_end|>"))
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
     w.add_chat_template(template)
 
     zeros = np.zeros

@@ -47,6 +47,12 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 def _write_vocab(w: Any, n_vocab: int, add_bos: bool) -> list[int]:
     """The SentencePiece-style vocabulary and special-token keys; returns the token types."""
     toks, scores, types = _vocab(n_vocab)
+    write_tokens(w, toks, scores, types, add_bos)
+    return types
+
+
+def write_tokens(w: Any, toks: list[str], scores: list[float], types: list[int], add_bos: bool) -> None:
+    """A SentencePiece-style token list and the special-token keys (<unk>, <s>, </s> at 0, 1, 2)."""
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(toks)
@@ -57,7 +63,6 @@ def _write_vocab(w: Any, n_vocab: int, add_bos: bool) -> list[int]:
     w.add_unk_token_id(UNK)
     w.add_add_bos_token(add_bos)
     w.add_add_eos_token(False)
-    return types
 
 
 def _finish(w: Any, out: np.ndarray, types: list[int]) -> None:
