@@ -213,6 +213,7 @@ class ModelInfo:
     layer_bytes: list[int] = field(default_factory=list)
     other_bytes: int = 0
     tensor_types: dict[str, int] = field(default_factory=dict)
+    pooling_type: int | None = None  # `<arch>.pooling_type`: set by embedding models that are decoders
 
     @property
     def parameter_label(self) -> str:
@@ -293,5 +294,5 @@ def model_info(path: str | Path) -> ModelInfo:
         vocab_size=gf.array_lengths.get("tokenizer.ggml.tokens", 0),
         has_chat_template=bool(template), chat_template=template if isinstance(template, str) else None,
         fim_tokens=fim, size_bytes=gf.file_size, layer_bytes=layer_bytes, other_bytes=other,
-        tensor_types=types,
+        tensor_types=types, pooling_type=_first_int(gf.arch_get("pooling_type")),
     )

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from localllm.compose.reply import Delta
+from localllm.compose.reply import Delta, ToolCall
 from localllm.errors import LocalLLMError
 from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result, Usage
@@ -67,7 +67,6 @@ class Blocks:
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # the type of blocks[-1] while it is open
         self.tools: dict[int, int] = {}  # the parser's call index → block index
-        self.args: dict[int, str] = {}  # block index → the arguments' JSON text so far
 
     def feed(self, deltas: list[Delta]) -> list[tuple[str, dict[str, Any]]]:
         events: list[tuple[str, dict[str, Any]]] = []
@@ -88,7 +87,6 @@ class Blocks:
                 self.tools[d.index] = len(self.blocks) - 1
             elif d.kind == "tool_args" and d.text and d.index in self.tools:
                 i = self.tools[d.index]
-                self.args[i] = self.args.get(i, "") + d.text
                 events.append(("content_block_delta", {"type": "content_block_delta", "index": i,
                                                        "delta": {"type": "input_json_delta", "partial_json": d.text}}))
         return events
@@ -110,18 +108,13 @@ class Blocks:
     def has_calls(self) -> bool:
         return bool(self.tools)
 
-    def content(self) -> list[dict[str, Any]]:
-        """The blocks, each tool_use with its `input` read (an object; {} when the JSON is not one)."""
-        out = []
-        for i, block in enumerate(self.blocks):
-            if block["type"] == "tool_use":
-                try:
-                    value = json.loads(self.args.get(i) or "{}")
-                except ValueError:
-                    value = {}
-                block = {**block, "input": value if isinstance(value, dict) else {}}
-            out.append(block)
-        return out
+    def content(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The blocks, each tool_use with its `input`: the parser's call read as an object ({} when its
+        JSON is not one)."""
+        blocks = list(self.blocks)
+        for k, i in self.tools.items():
+            blocks[i] = {**blocks[i], "input": calls[k].args()}
+        return blocks
 
 
 def stop_reason(reason: str | None, stop_word: str | None, stops: list[str] | None,
@@ -206,7 +199,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
             res.absorb(chunk)  # raises the generation's error (answered in Anthropic's shape)
             blocks.feed(deltas)
     reason, sequence = stop_reason(res.finish_reason, res.stop_word, body.stop_sequences, blocks.has_calls)
-    return JSONResponse(_message(msg_id, g.name, blocks.content(), stop_reason=reason, stop_sequence=sequence,
+    return JSONResponse(_message(msg_id, g.name, blocks.content(g.parser.calls), stop_reason=reason, stop_sequence=sequence,
                                  usage=usage_dict(res.usage)))
 
 

@@ -32,7 +32,7 @@ from localllm.compose.formats import ChatFormat, chat_format
 from localllm.compose.reply import handles_tools, think_markers
 from localllm.compose.spec import details, template_override
 from localllm.errors import LocalLLMError
-from localllm.models.gguf_meta import ModelInfo, model_info, read_gguf
+from localllm.models.gguf_meta import ModelInfo, model_info
 from localllm.models.store import Manifest, Store
 from localllm.server.embeddings import EMBED_CTX
 
@@ -81,18 +81,9 @@ def capabilities(template: str, *, embedding: bool, insert: bool) -> list[str]:
     return caps
 
 
-def is_embedding(state: Any, man: Manifest, info: ModelInfo) -> bool:
-    """An embedding model? Read once per file: ModelInfo does not keep pooling_type."""
-    cache: dict[str, bool] | None = getattr(state, "embedding_models", None)
-    if cache is None:
-        cache = state.embedding_models = {}
-    if man.digest not in cache:
-        try:
-            meta = read_gguf(state.store.blob_path(man.digest)).metadata
-        except LocalLLMError:
-            meta = {}
-        cache[man.digest] = info.architecture in ENCODER_ARCHS or f"{info.architecture}.pooling_type" in meta
-    return cache[man.digest]
+def is_embedding(info: ModelInfo) -> bool:
+    """An embedding model: an encoder-only architecture, or a decoder that says how it pools."""
+    return info.architecture in ENCODER_ARCHS or info.pooling_type is not None
 
 
 def fim_template(fim: dict[str, str], chat: str) -> str:
@@ -138,7 +129,7 @@ def show_facts(state: Any, man: Manifest) -> dict[str, Any]:
     entry = state.catalog.entry(man.name)
     fmt = _format(state, man, info, entry)
     chat, insert = fmt.template or "", has_fim(info, entry)
-    embedding = is_embedding(state, man, info)
+    embedding = is_embedding(info)
     # an embedding model answers /api/embed from its own context (server/embeddings.py)
     n_ctx = min(EMBED_CTX, info.context_length or EMBED_CTX) if embedding else served_ctx(state, man)
     pairs: list[tuple[str, Any]] = [("num_ctx", n_ctx)] if n_ctx else []

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.compose.reply_plan import tool_name
+from localllm.compose.reply_plan import EFFORT_BUDGETS, tool_name
 from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput
 from localllm.server.wire import Body
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-# Responses reasoning efforts → the builder's think levels (its budgets); above "high" is "high"
-EFFORTS = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium", "high": "high",
-           "xhigh": "high", "max": "high"}
+# Responses reasoning efforts: the builder's think levels (compose.reply_plan's budgets)
+EFFORTS = ("none", *EFFORT_BUDGETS)
 TRUNCATION = {None: None, "auto": "truncate_history", "disabled": "error"}
 STATELESS = ("send the whole conversation as input: the earlier input items, the response's output items, "
              "then the new turn")
@@ -214,7 +213,7 @@ def effort(reasoning: dict[str, Any] | None) -> str | None:
         return None
     if not isinstance(value, str) or value not in EFFORTS:
         raise InvalidInput(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {value!r}")
-    return EFFORTS[value]
+    return value
 
 
 def options(body: ResponsesRequest, choice: Any) -> Options:
