@@ -39,6 +39,16 @@ def _given(param: str) -> bool:
               help="With --http: concurrent client counts.")
 @click.option("--vs-llama-cpp-server/--no-vs-llama-cpp-server", default=True, show_default=True,
               help="With --http: also load llama-cpp-python's own server (if installed).")
+@click.option("--vs-llama-server", "vs_llama_server", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --http: instead, llama.cpp's llama-server binary at this path side by side with localllm "
+              "(build it with tests/bench/build_llama_server.sh): decode, aggregate, cold/warm TTFT, an editor, mixed "
+              "load, greedy agreement, and a chat reopened after a restart.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --vs-llama-server: alternating rounds (figures are medians).")
+@click.option("--slots", type=click.IntRange(min=1, max=256), default=8, show_default=True,
+              help="With --vs-llama-server: parallel slots of both servers.")
+@click.option("--repack/--no-repack", default=False, show_default=True,
+              help="With --vs-llama-server: both servers with llama.cpp's repacked CPU weights, or both without.")
 @click.option("--vs-inline", is_flag=True, help="With --http: instead, runner processes against the engine inside "
               "the server (runners = false), alternating rounds: what the process split costs.")
 @click.option("--spec", is_flag=True, help="Instead: decode speed with and without speculative decoding "
@@ -55,12 +65,14 @@ def _given(param: str) -> bool:
               "(--ctx defaults to 1024 here).")
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
-          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_inline: bool, soak: float | None, spec: bool,
+          types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_llama_server: Path | None, rounds: int,
+          slots: int, repack: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
     With --quants: a quant ladder built from MODEL's F16 (in a temp folder): size, bytes/weight, perplexity, prompt and decode tok/s and peak RSS per quant type.
     With --http: streaming HTTP load against `localllm serve` vs the in-process engine and llama_cpp.server.
+    With --http --vs-llama-server PATH: localllm side by side with llama.cpp's own server (ratios, targets).
     With --spec: decode tok/s with no drafting, prompt lookup and a draft model; acceptance; verification cost.
     With --fuzz: requests run, probes checked, near-ties and mismatches against a fresh llama.cpp context.
     """
@@ -104,6 +116,15 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
             raise InvalidInput("--http needs an installed model name (the server serves the store), not a file")
         counts = clients  # IntList: sorted, each >= 1
         say = lambda m: click.echo(m, err=True)  # progress on stderr, results on stdout
+        if vs_llama_server is not None and not soak:
+            from localllm.bench import versus
+
+            counts = clients if _given("clients") else [4, 8, 16]
+            say(f"localllm vs {vs_llama_server}: {rounds} alternating rounds (about {3 * rounds} minutes)...")
+            res = versus.run(model, vs_llama_server, clients=counts, gen=gen, threads=threads or 2,
+                             ctx=ctx if _given("ctx") else 8192, slots=slots, rounds=rounds, repack=repack, log=say)
+            click.echo(json.dumps(res, indent=2)) if as_json else versus.print_table(res)
+            return
         if vs_inline and not soak:
             from localllm.bench import runners as bench_runners
 
