@@ -50,6 +50,10 @@ class Paths:
     def partials(self) -> Path:
         return self.cache / "partials"
 
+    @property
+    def prompt_cache(self) -> Path:
+        return self.cache / "prompt-cache"
+
 
 def paths() -> Paths:
     home = os.environ.get("LOCALLLM_HOME")
@@ -83,6 +87,10 @@ class Settings:
     # otherwise HTTP clients upload files as blobs (POST /api/blobs/sha256:<hex>, then POST /api/create)
     allow_local_pull: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
+    # the disk tier behind it (<cache>/prompt-cache): parked states that outlive the process; 0 turns it off
+    prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024
+    # a new /infill or /completion from the same editor (client, model, id_slot) cancels its stale one
+    supersede: bool = True
     # speculative decoding: a draft model name ("auto" = the catalog's pairing when it is installed),
     # and/or prompt lookup; draft_max = most tokens drafted per step
     draft: str | None = None
@@ -238,6 +246,8 @@ RULES: dict[str, Rule] = {
     "max_body_bytes": Rule("int", 1),
     "allow_local_pull": Rule("bool"),
     "prefix_cache_bytes": Rule("int", 0),
+    "prompt_cache_disk_bytes": Rule("int", 0),
+    "supersede": Rule("bool"),
     "draft": Rule("str", optional=True),
     "lookup": Rule("bool"),
     "draft_max": Rule("int", 0, MAX_DRAFT),

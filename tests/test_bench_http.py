@@ -61,9 +61,9 @@ def test_server_that_fails_to_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_percentiles_and_requests() -> None:
-    from localllm.bench.http import Target, _pct
+    from localllm.bench.http import Target, percentile
 
-    assert _pct([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0 and _pct([1.0, 2.0], 95) == pytest.approx(1.95)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0 and percentile([1.0, 2.0], 95) == pytest.approx(1.95)
     path, body = Target("x", "http://h", "m", "localllm").request("p", 5)
     assert path == "/completion" and body["ignore_eos"] and body["n_predict"] == 5
     path, body = Target("y", "http://h", "m", "llama_cpp", [1, 106]).request("p", 5)

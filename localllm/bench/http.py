@@ -179,12 +179,12 @@ async def load_round(target: Target, clients: int, gen: int, per_client: int) ->
         wall = time.perf_counter() - t0
     ttfts = sorted(r.ttft_s for r in results)
     return {"clients": clients, "requests": len(results), "tokens": sum(r.tokens for r in results),
-            "aggregate_tps": sum(r.tokens for r in results) / wall, "ttft_p50_s": _pct(ttfts, 50),
-            "ttft_p95_s": _pct(ttfts, 95), "wall_s": wall,
+            "aggregate_tps": sum(r.tokens for r in results) / wall, "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p95_s": percentile(ttfts, 95), "wall_s": wall,
             "short_responses": sum(r.tokens < gen for r in results)}  # must be 0: every request ran to `gen`
 
 
-def _pct(xs: list[float], p: float) -> float:
+def percentile(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
     k = (len(xs) - 1) * p / 100

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -33,7 +34,15 @@ from typing import Any
 
 import httpx
 
-from localllm.bench.http import PROMPTS, _pct, free_port, http_client, localllm_server, model_file, server_process
+from localllm.bench.http import (
+    PROMPTS,
+    percentile,
+    free_port,
+    http_client,
+    localllm_server,
+    model_file,
+    server_process,
+)
 
 EDITOR_GAP_S = 0.06  # between keystrokes of a burst
 EDITOR_BURST = 3  # keystrokes (requests) per burst; the user then waits for the completion
@@ -71,12 +80,19 @@ class Server:
 
 
 async def timed(c: httpx.AsyncClient, srv: Server, prompt: Any, n: int, sink: list[float] | None = None,
-                **extra: Any) -> dict[str, Any]:
+                stream: bool = True) -> dict[str, Any]:
     """A streamed greedy /completion: send time, the time of each event with text (also appended to `sink`,
-    which outlives a cancelled request), the text, the final event."""
-    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "stream": True, "ignore_eos": True,
-            "cache_prompt": True, "model": srv.model, **extra}
+    which outlives a cancelled request), the text, the final event. stream=False: one JSON answer."""
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "stream": stream, "ignore_eos": True,
+            "cache_prompt": True, "model": srv.model}
     t0 = time.perf_counter()
+    if not stream:
+        r = await c.post(srv.base + "/completion", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{srv.base}: HTTP {r.status_code}: {r.text[:300]!r}")
+        end = time.perf_counter()
+        return {"t0": t0, "times": [end], "text": r.json()["content"], "final": r.json(), "ttft_s": end - t0,
+                "end": end}
     times: list[float] = sink if sink is not None else []
     text: list[str] = []
     final: dict[str, Any] = {}
@@ -141,7 +157,8 @@ async def cold_warm(base: Server, doc: list[int], r: int) -> dict[str, float]:
 
 async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[str, Any]:
     """Bursts of keystrokes at the end of a growing prefix of `source`; each keystroke sends a completion
-    and drops the previous request's connection. Latency: last keystroke → its completion."""
+    (not streamed, as llama.vim asks) and drops the previous request's connection, as llama.vim does.
+    Latency: last keystroke → its completion."""
     lat: list[float] = []
     start = 1500 + 400 * (r % 3)
     async with http_client(EDITOR_BURST + 1) as c:
@@ -152,7 +169,7 @@ async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[st
                 prefix = f"# file {r}\n" + source[:cursor + 4 * k]
                 if tasks:
                     tasks[-1].cancel()
-                tasks.append(asyncio.create_task(timed(c, base, prefix, 16)))
+                tasks.append(asyncio.create_task(timed(c, base, prefix, 16, stream=False)))
                 if k < EDITOR_BURST - 1:
                     await asyncio.sleep(EDITOR_GAP_S)
             last = await tasks[-1]
@@ -161,7 +178,7 @@ async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[st
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
     lat.sort()
-    return {"editor_p50_ms": 1000 * _pct(lat, 50), "editor_p95_ms": 1000 * _pct(lat, 95)}
+    return {"editor_p50_ms": 1000 * percentile(lat, 50), "editor_p95_ms": 1000 * percentile(lat, 95)}
 
 
 async def mixed(base: Server, doc: list[int], r: int, streams: int = 4) -> dict[str, float]:
@@ -186,9 +203,9 @@ def _gaps(big: dict[str, Any], sinks: list[list[float]]) -> dict[str, float]:
     lo, hi = big["t0"], big["t0"] + big["ttft_s"]
     gaps = []
     for times in sinks:
-        gaps += [b - a for a, b in zip(times, times[1:], strict=False) if b >= lo and a <= hi]
+        gaps += [b - a for a, b in itertools.pairwise(times) if b >= lo and a <= hi]
     gaps.sort()
-    return {"mixed_itl_p95_ms": 1000 * _pct(gaps, 95) if gaps else float("nan"),
+    return {"mixed_itl_p95_ms": 1000 * percentile(gaps, 95) if gaps else float("nan"),
             "mixed_itl_max_ms": 1000 * gaps[-1] if gaps else float("nan")}
 
 

@@ -68,7 +68,7 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
             if chunk.finish_reason and verbose and chunk.timings:
                 t = chunk.timings
                 click.echo(f"\n\nTTFT {t.ttft_ms:.0f} ms | prompt {t.prompt_tokens} tok "
-                           f"({t.cached_tokens} cached), {t.prompt_per_s:.1f} tok/s | decode {t.n_decoded} tok, "
+                           f"({t.cached_tokens} cached{' from ' + t.cache_tier if t.cache_tier and t.cached_tokens else ''}), {t.prompt_per_s:.1f} tok/s | decode {t.n_decoded} tok, "
                            f"{t.decode_per_s:.1f} tok/s | finish: {chunk.finish_reason}", err=True)
                 if t.draft_n:
                     click.echo(f"draft: {t.draft_accepted}/{t.draft_n} accepted "

@@ -110,7 +110,7 @@ class Composer:
             kwargs = self._plans.get(key)
             if kwargs is None:
                 # planned once per option set: free RAM drifts, and a changed plan would reload the model
-                kwargs = self._plan(info, want_ctx, threads, ngl, n_batch)
+                kwargs = self._plan(info, want_ctx, threads, ngl, n_batch, man.digest)
                 self._plans[key] = kwargs
         size, vram = kwargs.get("_size", 0), kwargs.get("_vram", 0)
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
@@ -148,7 +148,7 @@ class Composer:
         return spec, dman.size if dman else 0
 
     def _plan(self, info: Any, want_ctx: int | None, threads: int | None, ngl: int | None,
-              n_batch: int | None) -> dict[str, Any]:
+              n_batch: int | None, digest: str = "") -> dict[str, Any]:
         s = self.settings
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
                                  kv_type=s.kv_type, cpu_kernels=getattr(s, "cpu_kernels", None))
@@ -157,6 +157,11 @@ class Composer:
             kw["n_batch"] = n_batch
         if s.prefix_cache_bytes is not None:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
+        disk = int(getattr(s, "prompt_cache_disk_bytes", 0) or 0)
+        if disk > 0 and digest:  # the disk tier: one folder per model file
+            from localllm.config import paths
+
+            kw["disk_cache"] = (str(paths().prompt_cache / digest.removeprefix("sha256:")[:16]), disk)
         return kw
 
     # ---- prompt formatting -----------------------------------------------------------------------

@@ -27,7 +27,8 @@ from localllm.runtime import context_shift
 from localllm.runtime.drafters import make_drafter
 from localllm.runtime.drafting import collect_drafts, settle_drafts
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
-from localllm.runtime.prefix_cache import StateLRU, common_prefix, kv_holds
+from localllm.runtime.parking import Parking, open_disk_tier
+from localllm.runtime.prefix_cache import common_prefix, kv_holds
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.speculative import SpecConfig, SpecState, verify
@@ -44,14 +45,18 @@ class Engine:
 
     n_ctx is the unified KV cache shared by all slots (a multiple of 256; one request may use all
     of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
-    (0 disables it); histories shorter than min_park_tokens are not parked. cpu_kernels: llama.Model's.
+    (0 disables it); histories shorter than min_park_tokens are not parked. disk_cache: a folder for the
+    disk tier behind it (runtime/state_disk.py; one per model and KV layout) and its byte budget.
+    prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 4).
+    cpu_kernels: llama.Model's.
     """
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
                  n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
                  kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
-                 spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto") -> None:
+                 spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
+                 disk_cache: tuple[str, int] | None = None, prefill_chunk: int | None = None) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels)
@@ -61,18 +66,20 @@ class Engine:
                            swa_full=swa_full)
         self.n_ctx = self.ctx.n_ctx_seq  # the most one sequence may hold
         self.n_batch = n_batch
+        self.prefill_chunk = prefill_chunk or max(64, n_batch // 4)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
-        self._parked = StateLRU(state_cache_bytes)
         self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
-        self._min_park = min_park_tokens
+        self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
+                               open_disk_tier(disk_cache, self.ctx, swa_full))
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
         self._waiting: deque[Job] = deque()
         self._stop = False
         self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
-                          "parked": 0, "restored": 0, "copied_prefix": 0, "drafted": 0, "draft_accepted": 0}
+                          "restored": 0, "copied_prefix": 0,
+                          "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0, "drafted": 0, "draft_accepted": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         try:  # _cost: measured decode ms by batch rows, how long drafts may be
@@ -130,10 +137,8 @@ class Engine:
             "slots": [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
                       for s in self.slots],
             "waiting": len(self._waiting) + self._inbox.qsize(),
-            "parked": len(self._parked), "parked_bytes": self._parked.used,
-            "n_ctx": self.n_ctx, "n_batch": self.n_batch, **self._counters,
-            "speculative": self._drafter.name if self._drafter else None,
-        }
+            "n_ctx": self.n_ctx, "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
+            "speculative": self._drafter.name if self._drafter else None}
 
     def reset_cache(self, timeout: float = 30.0) -> None:
         """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
@@ -162,6 +167,8 @@ class Engine:
         self._stop = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # the context is free: keep what the slots hold on disk
+            self._parked.save_all(self.slots)
         self._close_native()
 
     def _close_native(self) -> None:
@@ -255,32 +262,38 @@ class Engine:
         n = self._reusable(dst, prompt, cap)
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap), default=None)
         n_src = self._reusable(src, prompt, cap) if src is not None else 0
-        key, n_park = self._parked.best(prompt, self._n_swa, cap)
+        tier, key, n_park = self._parked.best(prompt, cap)
+        used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
         if max(n_src, n_park) >= n + _REUSE_MIN:
             copy = n_src >= n_park and src is not None
-            blob = None if copy else self._parked.take(key)  # type: ignore[arg-type] - before parking dst evicts it
-            self._park(dst, keep=0)
+            blob = None if copy else self._parked.take(tier, key)  # type: ignore[arg-type] - before parking dst evicts it
+            self._parked.park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
             dst.tokens = []
             if copy:
                 self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
                 dst.tokens = src.tokens[:n_src]
                 self._counters["copied_prefix"] += 1
-            else:
+                used = "kv"
+            elif blob is not None:  # None: a disk file that failed its check (removed): prefill instead
                 try:
-                    self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
+                    self.ctx.state_seq_set(dst.id, blob)
                     dst.tokens = list(key)  # type: ignore[arg-type]
                     self._counters["restored"] += 1
+                    used = tier
                 except EngineError:  # no room in the KV cache for it: prefill instead
                     self.ctx.seq_rm(dst.id)
             n = self._reusable(dst, prompt, cap)
         else:
-            self._park(dst, keep=n)
+            self._parked.park(dst, keep=n)
+        self._parked.clear_idle(self.slots, dst)
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
                 n = 0
             dst.tokens = dst.tokens[:n]
+        job.timings.cache_tier = used if n else ""
+        self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
         job.pending = prompt[n:]
         job.t_admit = now
@@ -294,21 +307,6 @@ class Engine:
         """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
         n = min(common_prefix(s.tokens, prompt), cap)
         return n if kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
-
-    def _park(self, slot: Slot, keep: int) -> None:
-        """Save the part of an idle slot's history that is about to be overwritten, if worth it."""
-        if self._parked.budget <= 0 or len(slot.tokens) - keep < self._min_park:
-            return
-        try:
-            blob = self.ctx.state_seq_get(slot.id)
-        except LocalLLMError:
-            return
-        # a sliding-window model saves only the last window of its SWA layers
-        pos_min = self.ctx.seq_pos_min(slot.id)
-        if self._n_swa > 0:
-            pos_min = max(pos_min, len(slot.tokens) - self._n_swa)
-        if self._parked.put(slot.tokens, blob, pos_min):
-            self._counters["parked"] += 1
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""
@@ -369,12 +367,15 @@ class Engine:
             rows.append((s, slot_rows, job.drafts, n0))
             job.next_tokens, job.drafts = [], []
         n_gen = batch.n_tokens
-        # chunked prefill of pending prompts within what is left of n_batch
+        # chunked prefill of pending prompts within what is left of n_batch; while streams generate, at
+        # most prefill_chunk per step, so that their next token does not wait for a whole batch of prompt
+        room = min(batch.free, self.prefill_chunk) if n_gen else batch.free
         for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
             job = s.job
-            if batch.free <= 0:
+            if room <= 0:
                 break
-            take = job.pending[: batch.free]
+            take = job.pending[:room]
+            room -= len(take)
             undo.append((s, len(s.tokens), [], job.pending))
             last = len(take) == len(job.pending)
             for i, tok in enumerate(take):
@@ -421,7 +422,7 @@ class Engine:
         idle = [s for s in self.slots if s.job is None and s.tokens]
         if idle:
             for s in idle:
-                self._park(s, keep=0)
+                self._parked.park(s, keep=0)
                 self.ctx.seq_rm(s.id)
                 s.tokens = []
             return

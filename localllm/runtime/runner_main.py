@@ -35,6 +35,7 @@ class _Child:
         self.inp, self.out = inp, out
         self.lock = threading.Lock()
         self.engine: Any = None
+        self.closing = False
         self.streams: dict[str, Any] = {}
         self.calls = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="runner-call")
 
@@ -60,9 +61,13 @@ class _Child:
                 self.calls.submit(self.call, *msg[1:])
             elif kind == "fault":
                 fault(msg[1])
-            elif kind == "close":
+            elif kind == "close":  # an unload: the engine keeps its slots' histories in the disk tier first
+                self.closing = True  # the host ends the streams in flight itself ("unloaded")
+                if self.engine is not None:
+                    with contextlib.suppress(Exception):
+                        self.engine.close()
                 break
-        return 0  # the host closed or left: exit without a graceful engine teardown, the OS frees it all
+        return 0  # the host closed or left: the OS frees the rest
 
     def start(self, path: str, kwargs: dict[str, Any]) -> bool:
         try:
@@ -90,6 +95,8 @@ class _Child:
 
     def forward(self, rid: str, stream: Any, chunk: Any) -> None:
         """On the engine's scheduler thread: nothing may raise out of here into the engine."""
+        if self.closing:
+            return
         if chunk.finish_reason is not None:
             self.streams.pop(rid, None)
         try:

@@ -130,6 +130,9 @@ class Timings:
     n_decoded: int = 0
     draft_n: int = 0  # speculative decoding: tokens drafted / accepted (0 until drafting lands)
     draft_accepted: int = 0
+    # where the cached prefix came from: "slot" (the slot's own KV), "kv" (copied from another slot's),
+    # "ram" or "disk" (a parked state restored); "" when nothing was reused
+    cache_tier: str = ""
 
     @property
     def ttft_ms(self) -> float:

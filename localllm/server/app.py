@@ -19,6 +19,7 @@ from localllm import __version__
 from localllm.config import Settings, load_settings, model_names
 from localllm.errors import LocalLLMError
 from localllm.server.security import BodyTooLarge, GuardMiddleware, body_problem, error_body, is_blob_upload
+from localllm.server.supersede import Supersede
 
 
 def _json_error(request: Request, status: int, message: str) -> Response:
@@ -213,6 +214,7 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)
     app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
     app.state.embed_lock = threading.Lock()
+    app.state.supersede = Supersede()  # editor completions made stale by the next keystroke
     # `serve --model a,b`: each kept loaded, the first answers requests that name no model
     pinned = [_installed_name(app.state.store, n) for n in model_names(settings.model)]
     app.state.pinned_names = [n for i, n in enumerate(pinned) if n and n not in pinned[:i]]

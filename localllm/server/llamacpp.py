@@ -281,15 +281,17 @@ async def _start(request: Request, body: CompletionBody, build: Any,
                     cut = True
                     continue
             if chunk.finish_reason:  # "stop" is a stop string (the engine names it) or an end-of-generation token
-                stop_type = {"length": "limit"}.get(chunk.finish_reason) or ("word" if chunk.stop_word else "eos")
+                stop_type = {"length": "limit", "cancelled": "none"}.get(chunk.finish_reason) or (
+                    "word" if chunk.stop_word else "eos")
         yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))
 
     return g, run()
 
 
-async def _generate(request: Request, body: CompletionBody, *builds: Any) -> Response:
+async def _generate(request: Request, body: CompletionBody, *builds: Any, edit: str | None = None) -> Response:
     """Generate for each prompt (one, or a batch): one JSON object, or an array in prompt order for a batch
-    of several, or one SSE stream of all of them, as llama-server answers."""
+    of several, or one SSE stream of all of them, as llama-server answers. `edit`: the text an editor's
+    single completion is for; a newer one from the same client supersedes it (server/supersede.py)."""
     runs: list[tuple[Generation, AsyncIterator[dict[str, Any]]]] = []
     try:
         for index, build in enumerate(builds):
@@ -300,12 +302,24 @@ async def _generate(request: Request, body: CompletionBody, *builds: Any) -> Res
         if isinstance(exc, ContextOverflow):
             return _exceed(exc)
         raise
+    sup, key = request.app.state.supersede, None
+    if edit is not None and len(runs) == 1 and body.n_predict != 0 and request.app.state.settings.supersede:
+        key = (request.client.host if request.client else "", runs[0][0].name,
+               body.id_slot if body.id_slot is not None else -1)
+        sup.claim(key, edit, runs[0][0].stream)
+
+    def done() -> None:
+        if key is not None:
+            sup.release(key, runs[0][0].stream)
 
     if not body.stream:
         finals: dict[int, dict[str, Any]] = {}
-        async for item in merged(runs):
-            if item["stop"]:
-                finals[item["index"]] = flatten(item, body.response_fields)
+        try:
+            async for item in merged(runs):
+                if item["stop"]:
+                    finals[item["index"]] = flatten(item, body.response_fields)
+        finally:
+            done()
         out = [finals[i] for i in sorted(finals)]
         return JSONResponse(out[0] if len(out) == 1 else out)
 
@@ -320,6 +334,8 @@ async def _generate(request: Request, body: CompletionBody, *builds: Any) -> Res
             if not isinstance(exc, LocalLLMError):
                 logging.getLogger("localllm.server").exception("stream failed")
             yield f"data: {json.dumps({'error': {'code': 500, 'message': str(msg)}})}\n\n".encode()
+        finally:
+            done()
 
     return StreamingResponse(events(), media_type=SSE)
 
@@ -333,7 +349,7 @@ async def infill(body: InfillBody, request: Request) -> Response:
     def build(builder: Any, options: Options) -> GenRequest:
         return builder.infill(body.input_prefix, body.input_suffix, options, extra=extra, middle_prefix=str(body.prompt))
 
-    return await _generate(request, body, build)
+    return await _generate(request, body, build, edit=f"{body.input_suffix}\x00{body.input_prefix}{body.prompt}")
 
 
 @router.post("/completion")
@@ -347,7 +363,8 @@ async def completion(body: CompletionBody, request: Request) -> Response:
     def build(prompt: Any) -> Any:
         return lambda builder, options: builder.prompt(prompt, options)
 
-    return await _generate(request, body, *(build(p) for p in prompts))
+    return await _generate(request, body, *(build(p) for p in prompts),
+                           edit=body.prompt if isinstance(body.prompt, str) else None)
 
 
 @router.post("/tokenize")

@@ -97,8 +97,11 @@ async def metrics(request: Request) -> Response:
               "requests_deferred": 0, "kv_cache_tokens": 0, "n_decode_total": 0, "n_drafted_total": 0,
               "n_drafted_accepted_total": 0}
     cells = 0
+    hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
     for _, engine in _engines(request.app.state):
         st = engine.stats()
+        for tier in hits:
+            hits[tier] += st.get(f"hits_{tier}", 0)
         totals["prompt_tokens_total"] += st.get("prefill_tokens", 0)
         totals["tokens_predicted_total"] += st.get("decoded_tokens", 0)
         totals["requests_processing"] += sum(1 for s in st["slots"] if s["state"] != "idle")
@@ -113,6 +116,9 @@ async def metrics(request: Request) -> Response:
     for key, value in totals.items():
         lines += [f"# HELP llamacpp:{key} {key.replace('_', ' ')}", f"# TYPE llamacpp:{key} {kinds[key]}",
                   f"llamacpp:{key} {value}"]
+    lines += ["# HELP localllm:prompt_cache_hits_total requests whose prompt prefix came from the cache, by tier",
+              "# TYPE localllm:prompt_cache_hits_total counter"]
+    lines += [f'localllm:prompt_cache_hits_total{{tier="{t}"}} {n}' for t, n in hits.items()]
     ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
     lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
               "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]

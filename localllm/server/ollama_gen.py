@@ -100,6 +100,8 @@ def _extras(res: Result) -> dict[str, Any]:
     """Not Ollama's fields; clients that know them (tui/http_backend.py) read them, others ignore them:
     prompt tokens reused from the KV cache, and what the engine did to the context (last notice + all)."""
     out: dict[str, Any] = {"prompt_cache_count": res.usage.cached_tokens}
+    if res.timings.cache_tier:  # where those came from: slot, kv, ram or disk
+        out["prompt_cache_tier"] = res.timings.cache_tier
     if res.timings.draft_n:  # speculative decoding: llama-server's names
         out["draft_n"], out["draft_n_accepted"] = res.timings.draft_n, res.timings.draft_accepted
     if res.notices:

@@ -76,7 +76,7 @@ def timings_from(line: dict[str, Any]) -> tuple[Usage, Timings]:
     usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_eval, cached_tokens=cached)
     timings = Timings(prompt_ms=(line.get("prompt_eval_duration") or 0) / 1e6,
                       decode_ms=(line.get("eval_duration") or 0) / 1e6, prompt_tokens=n_prompt,
-                      cached_tokens=cached, n_decoded=n_eval,
+                      cached_tokens=cached, n_decoded=n_eval, cache_tier=str(line.get("prompt_cache_tier") or ""),
                       draft_n=int(line.get("draft_n") or 0), draft_accepted=int(line.get("draft_n_accepted") or 0))
     return usage, timings
 

@@ -241,7 +241,8 @@ class StatusBar(Static):
         self.used = usage.total_tokens
         parts = []
         if timings is not None:
-            parts.append(f"cached {timings.cached_tokens}")
+            tier = f" ({timings.cache_tier})" if timings.cache_tier and timings.cached_tokens else ""
+            parts.append(f"cached {timings.cached_tokens}{tier}")
             parts.append(f"TTFT {timings.ttft_ms:.0f} ms")
             parts.append(f"{timings.decode_per_s:.1f} tok/s")
             if timings.draft_n > 0:

@@ -1,0 +1,108 @@
+"""Where an idle slot's history goes when the slot is needed for another prompt: parked as a sequence state
+in a RAM LRU, and in the disk tier behind it (runtime/state_disk.py) when one is configured. Restores
+come from whichever tier serves the longest prefix; the engine says which tier served each request.
+
+Used by the engine's scheduler thread only (the disk tier's writer runs on its own thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.llama import Context, library_version
+from localllm.runtime.prefix_cache import StateLRU
+from localllm.runtime.slots import Slot
+from localllm.runtime.state_disk import DiskStates
+
+
+def open_disk_tier(disk_cache: tuple[str, int] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
+    """The disk tier for this context, or None. `disk_cache` = (the model's folder, byte budget); states are
+    kept per KV layout and llama.cpp version underneath, since a blob only restores into the same."""
+    if not disk_cache or disk_cache[1] <= 0:
+        return None
+    folder, budget = disk_cache
+    layout = f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-llama{library_version()}"
+    try:
+        return DiskStates(Path(folder) / layout, budget)
+    except OSError:  # an unwritable cache folder costs the disk tier, not the model
+        return None
+
+
+class Parking:
+    """Parked histories of one context: RAM first, disk behind it."""
+
+    def __init__(self, ctx: Context, ram_bytes: int, min_tokens: int, n_swa: int,
+                 disk: DiskStates | None = None) -> None:
+        self.ctx, self.ram, self.disk = ctx, StateLRU(ram_bytes), disk
+        self.min_tokens, self.n_swa = min_tokens, n_swa
+        self.count = 0  # states parked in RAM so far
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram.budget > 0 or self.disk is not None
+
+    def park(self, slot: Slot, keep: int) -> bool:
+        """Save the part of an idle slot's history that is about to be overwritten, if worth it: in RAM,
+        and on disk (written in the background). True when a tier took it."""
+        if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
+            return False
+        try:
+            blob = self.ctx.state_seq_get(slot.id)
+        except LocalLLMError:
+            return False
+        # a sliding-window model saves only the last window of its SWA layers
+        pos_min = self.ctx.seq_pos_min(slot.id)
+        if self.n_swa > 0:
+            pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
+        on_disk = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
+        in_ram = self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
+        self.count += in_ram
+        return in_ram or on_disk
+
+    def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
+        """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
+        cache_idle_slots does): in a unified cache attention runs over every cell in use, so idle
+        histories slow down every other sequence's prefill and decode. A history no tier can take stays."""
+        for s in slots:
+            if s is not keep and s.job is None and s.tokens and self.park(s, keep=0):
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+
+    def best(self, prompt: Sequence[int], cap: int) -> tuple[str, tuple[int, ...] | None, int]:
+        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`."""
+        key, n = self.ram.best(prompt, self.n_swa, cap)
+        if self.disk is not None:
+            dkey, dn = self.disk.best(prompt, self.n_swa, cap)
+            if dn > n:
+                return "disk", dkey, dn
+        return "ram", key, n
+
+    def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
+        """The state to restore: removed from RAM (the slot holds it now), read and checked from disk."""
+        if tier == "ram":
+            return self.ram.take(key)
+        return self.disk.load(key) if self.disk is not None else None
+
+    def save_all(self, slots: list[Slot]) -> None:
+        """Before the context goes away (unload, shutdown): every history worth keeping to disk, and wait."""
+        if self.disk is None:
+            return
+        try:
+            for s in slots:
+                if s.job is None:
+                    self.park(s, keep=0)
+        finally:
+            self.disk.close()
+
+    def clear(self) -> None:
+        self.ram.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def stats(self) -> dict[str, int]:
+        out = {"parked": self.count, "parked_states": len(self.ram), "parked_bytes": self.ram.used}
+        if self.disk is not None:
+            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used)
+        return out
