@@ -95,6 +95,9 @@ class Settings:
     # and/or prompt lookup; draft_max = most tokens drafted per step
     draft: str | None = None
     lookup: bool = False
+    # prompt lookup for every model without asking, drafting only where the adaptive planner predicts a gain
+    # (lookup = true drafts by lookup as asked; `serve --no-lookup` turns both off)
+    lookup_auto: bool = True
     draft_max: int = 16
     draft_adaptive: bool = True  # False: always draft draft_max (llama-server's behaviour)
     # each loaded model's engine in its own process (a native fault costs its requests an error, not the
@@ -250,6 +253,7 @@ RULES: dict[str, Rule] = {
     "supersede": Rule("bool"),
     "draft": Rule("str", optional=True),
     "lookup": Rule("bool"),
+    "lookup_auto": Rule("bool"),
     "draft_max": Rule("int", 0, MAX_DRAFT),
     "draft_adaptive": Rule("bool"),
     "cpu_kernels": Rule("choice", choices=("auto", "all", "no-amx", "none")),  # machine.kernels.SETTINGS

@@ -105,7 +105,9 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
               show_default=True)
 @click.option("--draft", type=Setting("draft"), help="Speculative decoding with a draft model: an installed name, "
               "or 'auto' for the catalog's pairing when it is installed (LOCALLLM_DRAFT).")
-@click.option("--lookup/--no-lookup", default=None, help="Speculative decoding by prompt lookup (LOCALLLM_LOOKUP).")
+@click.option("--lookup/--no-lookup", default=None, help="Speculative decoding by prompt lookup on every step the "
+              "planner allows (LOCALLLM_LOOKUP); --no-lookup also turns off the default, lookup only where the "
+              "adaptive planner predicts a gain (LOCALLLM_LOOKUP_AUTO).")
 @click.option("--draft-max", type=Setting("draft_max"), help="Most tokens drafted per step, 0-64 (default 16).")
 @click.option("--cpu-kernels", type=Setting("cpu_kernels"), help="llama.cpp CPU kernels: auto (AMX kept out where "
               "it would be used), all, no-amx or none (LOCALLLM_CPU_KERNELS; see `localllm doctor`).")
@@ -146,7 +148,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
       localllm serve -m qwen2.5-coder:1.5b,gemma3:270m   (both kept loaded; the first is the default)
     """
     # every setting is checked here, before the server is imported, built or bound
-    settings = _settings(host, port, draft=draft, lookup=lookup, draft_max=draft_max, cpu_kernels=cpu_kernels,
+    settings = _settings(host, port, draft=draft, lookup=lookup, lookup_auto=False if lookup is False else None, draft_max=draft_max, cpu_kernels=cpu_kernels,
                          model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
                          chat_template=chat_template)
 

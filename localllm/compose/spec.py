@@ -132,6 +132,8 @@ class Composer:
 
         s = self.settings
         if not s.draft and not s.lookup:
+            if getattr(s, "lookup_auto", False) and s.draft_adaptive:  # the planner drafts where it predicts a gain
+                return SpecConfig(lookup=True, draft_max=s.draft_max, adaptive=True, optional=True), 0
             return None, 0
         if s.draft == "auto":
             pair = (self.catalog.entry(man.name) or {}).get("draft")

@@ -296,6 +296,8 @@ def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, thr
         token = max(ctx.model.bos, 0)  # any valid id; some vocabularies have no BOS
         if not _can_drop_tail(ctx, batch, token):
             drafter.close()
+            if cfg.optional:
+                return None, cost
             raise InvalidInput("speculative decoding needs a KV cache that can drop a sequence's last tokens; "
                                f"{target_name or ctx.model.path.name} has recurrent memory, which cannot",
                                "run it without --draft/--lookup")

@@ -45,6 +45,8 @@ class SpecConfig:
     ngram_max: int = 4
     # choose each step's draft length from acceptance and measured decode cost; False: always draft_max
     adaptive: bool = True
+    # drafting chosen by default, not asked for: a model whose KV cache cannot drop drafts runs without
+    optional: bool = False
 
     def problems(self) -> list[str]:
         out = []

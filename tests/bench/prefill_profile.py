@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from localllm.runtime import llama  # noqa: E402
-from localllm.runtime.engine import Engine  # noqa: E402
-from localllm.runtime.types import GenerationParams, Request  # noqa: E402
+from localllm.runtime import llama
+from localllm.runtime.engine import Engine
+from localllm.runtime.types import GenerationParams, Request
 
 G = GenerationParams(temperature=0)
 
