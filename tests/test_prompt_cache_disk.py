@@ -143,3 +143,24 @@ def test_gemma_chat_reopened_after_restart_continues_as_if_never_closed(gemma_fi
         kept = live.generate(Request(turn, GREEDY, max_tokens=8, ignore_eos=True))
         assert kept.timings.cache_tier == "slot" and kept.usage.cached_tokens == r.usage.cached_tokens
     assert r.tokens == kept.tokens
+
+
+def test_a_runner_writes_its_slots_to_disk_when_unloaded(tiny_path: Path, tmp_path: Path) -> None:
+    """The server's engines live in runner processes: unloading one (keep_alive, a swap, shutdown) must
+    leave its histories on disk for the next load; the streams in flight still end as unloaded."""
+    from localllm.runtime.runner import Runner
+
+    disk = (str(tmp_path / "cache"), 64 << 20)
+    r = Runner(tiny_path, n_ctx=1024, slots=2, threads=1, disk_cache=disk)
+    chat = r.tokenize("hello world " * 30)
+    first = r.generate(Request(chat, GREEDY, max_tokens=5, ignore_eos=True))
+    r.close()
+    assert list((tmp_path / "cache").rglob("*.state"))
+    r = Runner(tiny_path, n_ctx=1024, slots=2, threads=1, disk_cache=disk)
+    try:
+        turn = chat + first.tokens + [300]
+        again = r.generate(Request(turn, GREEDY, max_tokens=5, ignore_eos=True))
+        assert again.timings.cache_tier == "disk" and again.usage.cached_tokens == len(chat) + len(first.tokens) - 1
+    finally:
+        r.close()
+    assert again.tokens == _fresh(tiny_path, turn, 5)

@@ -252,3 +252,25 @@ def test_a_full_draft_cache_evicts_idle_slots_and_keeps_serving(tiny_path: Path)
             r = e.generate(Request(p, params=GREEDY, max_tokens=60))
             assert len(r.tokens) == 60 and r.timings.draft_n > 0
         _assert_mirrors(e)
+
+
+def test_default_lookup_drafts_only_for_a_lone_stream(tiny_path: Path) -> None:
+    """Drafting by default (SpecConfig.optional) runs while one stream generates, not beside others; a
+    request that asks for drafts (draft_max) gets them either way. Greedy text is unchanged."""
+    rep = "hello world foo bar " * 8
+    g = GenerationParams(temperature=0)
+    with Engine(tiny_path, n_ctx=2048, slots=3, threads=2,
+                spec=SpecConfig(lookup=True, optional=True, adaptive=False, draft_max=4)) as e:
+        blocker = e.submit(Request("x y z", g, max_tokens=900, ignore_eos=True, draft_max=0))
+        it = iter(blocker)
+        next(it)  # generating for the whole test below
+        beside = e.generate(Request(rep, g, max_tokens=40, ignore_eos=True))
+        asked = e.generate(Request(rep + " a", g, max_tokens=40, ignore_eos=True, draft_max=4))
+        assert any(s["state"] != "idle" for s in e.stats()["slots"])  # the blocker still runs
+        blocker.cancel()
+        list(it)
+        alone = e.generate(Request(rep, g, max_tokens=40, ignore_eos=True))
+    assert beside.timings.draft_n == 0 and asked.timings.draft_n > 0 and alone.timings.draft_n > 0
+    assert alone.tokens == beside.tokens
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0) as plain:
+        assert plain.generate(Request(rep, g, max_tokens=40, ignore_eos=True)).tokens == alone.tokens

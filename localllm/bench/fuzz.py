@@ -19,6 +19,7 @@ scheduling is timing-dependent, so a seed fixes the requests, not the interleavi
 from __future__ import annotations
 
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +64,9 @@ class _Fuzzer(Traffic):
                  engine_kwargs: dict[str, Any], log: Callable[[str], None],
                  scenarios: tuple[str, ...] | None = None) -> None:
         self.path = model_path
+        # the prompt cache's disk tier, kept across episodes: a new engine restores what the last one left,
+        # as after a restart (each episode uses it with chance 1/2)
+        self._disk_dir = tempfile.TemporaryDirectory(prefix="localllm-fuzz-disk-")
         self.scenarios = tuple(scenarios or self.SCENARIOS)
         unknown = [n for n in self.scenarios if n not in self.SCENARIOS]
         if unknown:
@@ -100,6 +104,8 @@ class _Fuzzer(Traffic):
             kw.setdefault("state_cache_bytes", self.kv_bytes_per_token() * self.rng.randint(self.window,
                                                                                                4 * self.window))
         kw.setdefault("min_park_tokens", self.rng.choice([8, 16, 64]))
+        if self.rng.random() < 0.5:  # small histories too, so the tiny models' episodes reach the disk
+            kw.setdefault("disk_cache", (self._disk_dir.name, 64 << 20, 16))
         if self.spec is not None:
             kw["spec"] = self.spec
         elif self.drafting:  # in turn, so that a few episodes see every kind
@@ -255,8 +261,8 @@ class _Fuzzer(Traffic):
                              f"totals: {rep.probes} checked, "
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
-            for k in ("parked", "restored", "copied_prefix", "shifts", "drafted", "draft_accepted", "kv_full",
-                      "steps"):
+            for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
+                      "kv_full", "steps"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0
@@ -264,6 +270,7 @@ class _Fuzzer(Traffic):
 
     def close(self) -> None:
         self.ref.close()
+        self._disk_dir.cleanup()
 
 
 def fuzz(model_path: str | Path, *, seconds: float = 60.0, seed: int = 0, slots: int = 4, n_ctx: int = 1024,

@@ -19,7 +19,7 @@ def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int
     tasks = []
     for s in gen:
         job = s.job
-        if job.spec is None:
+        if job.spec is None or (job.spec.solo and len(gen) > 1):
             continue
         left = (job.request.max_tokens or 1 << 30) - len(job.out_tokens) - 1
         n = plan_length(job.spec, cost, rows, gain,

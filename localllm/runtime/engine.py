@@ -47,7 +47,7 @@ class Engine:
     of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
     (0 disables it); histories shorter than min_park_tokens are not parked. disk_cache: a folder for the
     disk tier behind it (runtime/state_disk.py; one per model and KV layout) and its byte budget.
-    prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 4).
+    prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
     cpu_kernels: llama.Model's.
     """
 
@@ -56,7 +56,7 @@ class Engine:
                  kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
-                 disk_cache: tuple[str, int] | None = None, prefill_chunk: int | None = None) -> None:
+                 disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels)
@@ -66,7 +66,7 @@ class Engine:
                            swa_full=swa_full)
         self.n_ctx = self.ctx.n_ctx_seq  # the most one sequence may hold
         self.n_batch = n_batch
-        self.prefill_chunk = prefill_chunk or max(64, n_batch // 4)
+        self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
         self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)

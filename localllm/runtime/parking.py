@@ -8,6 +8,7 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from localllm.errors import LocalLLMError
@@ -17,15 +18,16 @@ from localllm.runtime.slots import Slot
 from localllm.runtime.state_disk import DiskStates
 
 
-def open_disk_tier(disk_cache: tuple[str, int] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
-    """The disk tier for this context, or None. `disk_cache` = (the model's folder, byte budget); states are
-    kept per KV layout and llama.cpp version underneath, since a blob only restores into the same."""
+def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
+    """The disk tier for this context, or None. `disk_cache` = (the model's folder, byte budget[, the fewest
+    tokens worth a file]); states are kept per KV layout and llama.cpp version underneath, since a blob
+    only restores into the same."""
     if not disk_cache or disk_cache[1] <= 0:
         return None
-    folder, budget = disk_cache
+    folder, budget, *rest = disk_cache
     layout = f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-llama{library_version()}"
     try:
-        return DiskStates(Path(folder) / layout, budget)
+        return DiskStates(Path(folder) / layout, budget, *rest)
     except OSError:  # an unwritable cache folder costs the disk tier, not the model
         return None
 
