@@ -36,11 +36,11 @@ import httpx
 
 from localllm.bench.http import (
     PROMPTS,
-    percentile,
     free_port,
     http_client,
     localllm_server,
     model_file,
+    percentile,
     server_process,
 )
 

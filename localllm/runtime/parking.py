@@ -8,8 +8,8 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.llama import Context, library_version

@@ -1,6 +1,6 @@
 """Where a cold prompt's prefill time goes, in-process (no HTTP): a profile, not a test.
 
-    python tests/bench/prefill_profile.py MODEL.gguf [--tokens 1000] [--rounds 4]
+    python tests/bench/prefill_profile.py MODEL [--tokens 1000] [--rounds 4]    (an installed name or a .gguf)
 
 Prints, for a cold ~1000-token prompt (best of --rounds, variants alternating so a busy moment hits all):
 1. the split of prompt time between llama_decode calls and everything else (Python scheduling, sampling);
@@ -33,6 +33,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    if not Path(a.model).is_file():  # an installed name
+        from localllm.models.store import Store
+
+        a.model = str(Store().model_path(a.model))
     decode_ms: list[float] = []
     orig = llama.Context.decode
 
