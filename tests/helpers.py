@@ -71,7 +71,8 @@ def start_server(root: Path, **settings_kw: Any) -> tuple[Server, Any, threading
     install(store, make_tiny_gguf(root / "tiny.gguf"), TINY)
     catalog = Catalog.load(extra=root / "no-user-catalog.toml")
     catalog.models[TINY] = {"template": "chatml", "fim": FIM}
-    kw = {"slots": 4, "threads": 1, "ctx": 1024, "keep_alive": "5m"} | settings_kw
+    # no disk tier unless a test asks: a module's server outlives the test whose home its cache would use
+    kw = {"slots": 4, "threads": 1, "ctx": 1024, "keep_alive": "5m", "prompt_cache_disk_bytes": 0} | settings_kw
     app = create_app(Settings(**kw), store=store, catalog=catalog)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

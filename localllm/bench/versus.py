@@ -143,10 +143,10 @@ async def aggregate(base: Server, clients: int, gen: int, r: int, per_client: in
     return {f"aggregate_{clients}_tps": tokens / (time.perf_counter() - t0)}
 
 
-async def cold_warm(base: Server, doc: list[int], r: int) -> dict[str, float]:
-    """A ~1000-token prompt nobody sent before (its first tokens are this round's), then the same prefix
-    with a new question."""
-    stamp = await tokenize(base, f"Round {r} of the bench, document {r * 7919 % 1000}:\n")
+async def cold_warm(base: Server, doc: list[int], r: int, nonce: str) -> dict[str, float]:
+    """A ~1000-token prompt nobody sent before (its first tokens are this run's and round's: localllm's
+    disk tier outlives a run), then the same prefix with a new question."""
+    stamp = await tokenize(base, f"Run {nonce}, round {r} of the bench, document {r * 7919 % 1000}:\n")
     head = stamp + doc[r * 53: r * 53 + 1000 - len(stamp)]
     async with http_client(1) as c:
         cold = await timed(c, base, head, 1)
@@ -155,7 +155,7 @@ async def cold_warm(base: Server, doc: list[int], r: int) -> dict[str, float]:
     return {"cold_ttft_ms": 1000 * cold["ttft_s"], "warm_ttft_ms": 1000 * warm["ttft_s"]}
 
 
-async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[str, Any]:
+async def editor(base: Server, source: str, r: int, nonce: str, bursts: int = 10) -> dict[str, Any]:
     """Bursts of keystrokes at the end of a growing prefix of `source`; each keystroke sends a completion
     (not streamed, as llama.vim asks) and drops the previous request's connection, as llama.vim does.
     Latency: last keystroke → its completion."""
@@ -166,7 +166,7 @@ async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[st
             cursor = start + b * 40
             tasks: list[asyncio.Task[dict[str, Any]]] = []
             for k in range(EDITOR_BURST):
-                prefix = f"# file {r}\n" + source[:cursor + 4 * k]
+                prefix = f"# file {nonce}.{r}\n" + source[:cursor + 4 * k]
                 if tasks:
                     tasks[-1].cancel()
                 tasks.append(asyncio.create_task(timed(c, base, prefix, 16, stream=False)))
@@ -181,14 +181,14 @@ async def editor(base: Server, source: str, r: int, bursts: int = 10) -> dict[st
     return {"editor_p50_ms": 1000 * percentile(lat, 50), "editor_p95_ms": 1000 * percentile(lat, 95)}
 
 
-async def mixed(base: Server, doc: list[int], r: int, streams: int = 4) -> dict[str, float]:
+async def mixed(base: Server, doc: list[int], r: int, nonce: str, streams: int = 4) -> dict[str, float]:
     """`streams` streams decode; after 1 s a ~2000-token prompt arrives. Inter-token gaps of the streams
     from its arrival until its first token, p95 (and the largest), and its TTFT."""
     async with http_client(streams + 1) as c:
         sinks: list[list[float]] = [[] for _ in range(streams)]
         bg = [asyncio.create_task(timed(c, base, PROMPTS[i] + f" <{r}.{i}>", 400, sinks[i])) for i in range(streams)]
         await asyncio.sleep(1.0)
-        stamp = await tokenize(base, f"Mixed round {r}, a long paste:\n")
+        stamp = await tokenize(base, f"Run {nonce}, mixed round {r}, a long paste:\n")
         big = await timed(c, base, stamp + doc[r * 31: r * 31 + 2000 - len(stamp)], 1)
         for t in bg:
             t.cancel()
@@ -276,9 +276,10 @@ def run(model: str, binary: Path, *, clients: list[int], gen: int = 128, threads
         agree = asyncio.run(agreement(bases, 64))
         jobs: list[tuple[str, Any]] = [("single stream", lambda b, r: single(b, gen, r))]
         jobs += [(f"{k} clients", lambda b, r, k=k: aggregate(b, k, gen, r)) for k in clients]
-        jobs += [("cold / warm prompt", lambda b, r: cold_warm(b, doc, r)),
-                 ("editor", lambda b, r: editor(b, source, r)),
-                 ("mixed load", lambda b, r: mixed(b, doc, r))]
+        nonce = f"{time.time_ns() % 10**12:x}"  # no prompt of an earlier run is in anyone's cache
+        jobs += [("cold / warm prompt", lambda b, r: cold_warm(b, doc, r, nonce)),
+                 ("editor", lambda b, r: editor(b, source, r, nonce)),
+                 ("mixed load", lambda b, r: mixed(b, doc, r, nonce))]
         for r in range(rounds):
             order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
             for label, job in jobs:

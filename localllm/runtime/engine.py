@@ -133,28 +133,16 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for tests and /metrics (read without a lock: approximate while busy)."""
-        return {
-            "slots": [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
-                      for s in self.slots],
-            "waiting": len(self._waiting) + self._inbox.qsize(),
-            "n_ctx": self.n_ctx, "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
-            "speculative": self._drafter.name if self._drafter else None}
+        slots = [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
+                 for s in self.slots]
+        return {"slots": slots, "waiting": len(self._waiting) + self._inbox.qsize(), "n_ctx": self.n_ctx,
+                "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
+                "speculative": self._drafter.name if self._drafter else None}
 
     def reset_cache(self, timeout: float = 30.0) -> None:
         """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
         done = threading.Event()
-
-        def clear() -> None:
-            for s in self.slots:
-                if s.job is None:
-                    self.ctx.seq_rm(s.id)
-                    s.tokens = []
-                    if self._drafter is not None:
-                        self._drafter.forget(s.id)
-            self._parked.clear()
-            done.set()
-
-        self._inbox.put(clear)
+        self._inbox.put(lambda: (self._parked.forget(self.slots, self._drafter), done.set()))
         if not done.wait(timeout):
             raise EngineError("the engine did not answer in time")
 
@@ -167,9 +155,11 @@ class Engine:
         self._stop = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        if not self._thread.is_alive():  # the context is free: keep what the slots hold on disk
-            self._parked.save_all(self.slots)
-        self._close_native()
+        try:
+            if not self._thread.is_alive():  # the context is free: keep what the slots hold on disk
+                self._parked.save_all(self.slots)
+        finally:
+            self._close_native()
 
     def _close_native(self) -> None:
         self._batch.close()
@@ -264,9 +254,10 @@ class Engine:
         n_src = self._reusable(src, prompt, cap) if src is not None else 0
         tier, key, n_park = self._parked.best(prompt, cap)
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
-        if max(n_src, n_park) >= n + _REUSE_MIN:
-            copy = n_src >= n_park and src is not None
-            blob = None if copy else self._parked.take(tier, key)  # type: ignore[arg-type] - before parking dst evicts it
+        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= n + _REUSE_MIN
+        # taken before parking dst can evict it; None from disk: the file failed its check (removed)
+        blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
+        if gain and (copy or blob is not None):
             self._parked.park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
             dst.tokens = []
@@ -275,14 +266,15 @@ class Engine:
                 dst.tokens = src.tokens[:n_src]
                 self._counters["copied_prefix"] += 1
                 used = "kv"
-            elif blob is not None:  # None: a disk file that failed its check (removed): prefill instead
+            else:
                 try:
-                    self.ctx.state_seq_set(dst.id, blob)
+                    self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
                     dst.tokens = list(key)  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                     used = tier
-                except EngineError:  # no room in the KV cache for it: prefill instead
+                except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
                     self.ctx.seq_rm(dst.id)
+                    self._parked.refused(tier, key)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap)
         else:
             self._parked.park(dst, keep=n)

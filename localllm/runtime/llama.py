@@ -134,7 +134,7 @@ class Model:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         params = lc.llama_model_default_params()
-        params.n_gpu_layers = int(n_gpu_layers)
+        params.n_gpu_layers = self.n_gpu_layers = int(n_gpu_layers)
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if use_mmap else lc.LLAMA_LOAD_MODE_NONE
         self.cpu_kernels, self.cpu_kernels_reason = cpu_guard.start_load(choice.mode, choice.reason)
         params.use_extra_bufts = self.cpu_kernels != "none"
@@ -429,6 +429,7 @@ class Context:
         self.n_seq_max = n_seq_max
         self.n_threads = threads
         self.kv_type = kv_type
+        self.flash_attn = flash_attn  # as asked (None: llama.cpp's auto)
         self._mem = lc.llama_get_memory(self._p)
         self.can_shift: bool = bool(lc.llama_memory_can_shift(self._mem))
 

@@ -7,6 +7,7 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,11 @@ def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: b
     if not disk_cache or disk_cache[1] <= 0:
         return None
     folder, budget, *rest = disk_cache
-    layout = f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-llama{library_version()}"
+    # a state restores only into the same cell layout: KV type, SWA layout, flash attention (it transposes
+    # V), offload, library version
+    fa = {None: "auto", True: "on", False: "off"}[ctx.flash_attn]
+    layout = (f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-fa{fa}-ngl{ctx.model.n_gpu_layers}"
+              f"-llama{library_version()}")
     try:
         return DiskStates(Path(folder) / layout, budget, *rest)
     except OSError:  # an unwritable cache folder costs the disk tier, not the model
@@ -45,9 +50,9 @@ class Parking:
     def enabled(self) -> bool:
         return self.ram.budget > 0 or self.disk is not None
 
-    def park(self, slot: Slot, keep: int) -> bool:
+    def park(self, slot: Slot, keep: int, ram: bool = True) -> bool:
         """Save the part of an idle slot's history that is about to be overwritten, if worth it: in RAM,
-        and on disk (written in the background). True when a tier took it."""
+        and on disk (written in the background). True when RAM took it."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
         try:
@@ -58,15 +63,17 @@ class Parking:
         pos_min = self.ctx.seq_pos_min(slot.id)
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
-        on_disk = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
-        in_ram = self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
+        if self.disk is not None:
+            self.disk.put(slot.tokens, blob, pos_min)
+        in_ram = ram and self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
         self.count += in_ram
-        return in_ram or on_disk
+        return in_ram
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
         cache_idle_slots does): in a unified cache attention runs over every cell in use, so idle
-        histories slow down every other sequence's prefill and decode. A history no tier can take stays."""
+        histories slow down every other sequence's prefill and decode. A history the RAM tier cannot
+        take stays (a disk write still queued cannot serve a restore yet)."""
         for s in slots:
             if s is not keep and s.job is None and s.tokens and self.park(s, keep=0):
                 self.ctx.seq_rm(s.id)
@@ -87,18 +94,32 @@ class Parking:
             return self.ram.take(key)
         return self.disk.load(key) if self.disk is not None else None
 
-    def save_all(self, slots: list[Slot]) -> None:
-        """Before the context goes away (unload, shutdown): every history worth keeping to disk, and wait."""
+    def refused(self, tier: str, key: tuple[int, ...]) -> None:
+        """llama.cpp would not restore this state: never offer it again."""
+        if tier == "disk" and self.disk is not None:
+            self.disk.drop(key)
+
+    def save_all(self, slots: list[Slot], budget_s: float = 5.0) -> None:
+        """Before the context goes away (unload, shutdown): the histories worth keeping to disk, most
+        recently used first, for at most about `budget_s` (an unload holds up the pool meanwhile)."""
         if self.disk is None:
             return
+        t0 = time.monotonic()
         try:
-            for s in slots:
-                if s.job is None:
-                    self.park(s, keep=0)
+            for s in sorted(slots, key=lambda s: -s.last_used):
+                if s.job is None and time.monotonic() - t0 < budget_s:
+                    self.park(s, keep=0, ram=False)
         finally:
-            self.disk.close()
+            self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
 
-    def clear(self) -> None:
+    def forget(self, slots: list[Slot], drafter: Any = None) -> None:
+        """Forget every idle slot's history (its KV cells, the drafter's copy) and every parked state."""
+        for s in slots:
+            if s.job is None:
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+                if drafter is not None:
+                    drafter.forget(s.id)
         self.ram.clear()
         if self.disk is not None:
             self.disk.clear()

@@ -40,6 +40,16 @@ class _Entry:
     used: float  # last use (mtime), for the LRU
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
 def _name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:40] + ".state"
 
@@ -54,6 +64,8 @@ class DiskStates:
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
         self._pending = 0
+        self._pending_bytes = 0  # queued blobs are held in memory: bounded by max_queued_bytes
+        self.max_queued_bytes = 256 << 20
         self._idle = threading.Condition(self._lock)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -78,9 +90,11 @@ class DiskStates:
             except (OSError, ValueError, struct.error):
                 with contextlib.suppress(OSError):
                     p.unlink()
-        for p in self.dir.glob("*.tmp"):  # a write cut short by a crash
-            with contextlib.suppress(OSError):
-                p.unlink()
+        for p in self.dir.glob("*.tmp"):  # a write cut short by a crash (not one another process is making)
+            pid = p.suffixes[-2].lstrip(".") if len(p.suffixes) >= 2 else ""
+            if not pid.isdigit() or not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -122,8 +136,12 @@ class DiskStates:
             return blob
         except (OSError, ValueError, struct.error) as exc:
             log.warning("prompt cache: dropping %s (%s)", e.path.name, exc)
-            self._remove(key)
+            self._remove(key, e)
             return None
+
+    def drop(self, key: tuple[int, ...]) -> None:
+        """Forget a stored state (llama.cpp refused to restore it)."""
+        self._remove(key)
 
     # ---- writing ---------------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
@@ -134,7 +152,10 @@ class DiskStates:
         with self._lock:
             if key in self._index:
                 return True
+            if self._pending_bytes + len(blob) > self.max_queued_bytes:  # the disk is behind: skip this one
+                return False
             self._pending += 1
+            self._pending_bytes += len(blob)
         self._todo.put((key, blob, pos_min))
         return True
 
@@ -143,10 +164,10 @@ class DiskStates:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout: float = 60.0) -> None:
+        self.flush(timeout)
         self._todo.put(None)
-        self._writer.join(timeout=10)
+        self._writer.join(timeout=1)
 
     def clear(self) -> None:
         self.flush()
@@ -162,6 +183,7 @@ class DiskStates:
             finally:
                 with self._idle:
                     self._pending -= 1
+                    self._pending_bytes -= len(item[1])
                     self._idle.notify_all()
 
     def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:
@@ -187,8 +209,12 @@ class DiskStates:
                 break
             self._remove(k)
 
-    def _remove(self, key: tuple[int, ...]) -> None:
+    def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> None:
+        """Forget `key` and delete its file; with `expect`, only if the index still holds that entry (the
+        writer may have just stored a new one under the same name)."""
         with self._lock:
+            if expect is not None and self._index.get(key) is not expect:
+                return
             e = self._index.pop(key, None)
         if e is not None:
             with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ they share. Identical prompts are never superseded (a client may ask for several
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 Key = tuple[str, str, int]
@@ -21,25 +22,29 @@ class Supersede:
     """The unfinished editor requests by client; `claim` cancels the ones a new request makes stale."""
 
     def __init__(self) -> None:
-        self._live: dict[Key, list[tuple[str, Any]]] = {}
+        # weak references: a response that never started drops its stream, and with it the entry
+        self._live: dict[Key, list[tuple[str, weakref.ref[Any]]]] = {}
         self._lock = threading.Lock()
         self.superseded = 0  # requests cancelled so, for /metrics
 
     def claim(self, key: Key, text: str, stream: Any) -> None:
         """Register `stream` (generating for `text`) and cancel this client's requests it supersedes."""
+        if not text:  # every text extends the empty one
+            return
         with self._lock:
-            live = self._live.setdefault(key, [])
-            stale = [(t, s) for t, s in live if t != text and (text.startswith(t) or t.startswith(text))]
-            for item in stale:
-                live.remove(item)
-            live.append((text, stream))
+            live = [(t, r) for t, r in self._live.get(key, []) if r() is not None]
+            stale = [(t, r) for t, r in live if t != text and (text.startswith(t) or t.startswith(text))]
+            self._live[key] = [item for item in live if item not in stale] + [(text, weakref.ref(stream))]
             self.superseded += len(stale)
-        for _, s in stale:
-            s.cancel()
+        for _, r in stale:
+            s = r()
+            if s is not None:
+                s.cancel()
 
     def release(self, key: Key, stream: Any) -> None:
         with self._lock:
-            live = self._live.get(key, [])
-            live[:] = [(t, s) for t, s in live if s is not stream]
-            if not live:
+            live = [(t, r) for t, r in self._live.get(key, []) if r() is not None and r() is not stream]
+            if live:
+                self._live[key] = live
+            else:
                 self._live.pop(key, None)
