@@ -95,9 +95,10 @@ class Settings:
     # and/or prompt lookup; draft_max = most tokens drafted per step
     draft: str | None = None
     lookup: bool = False
-    # prompt lookup for every model without asking, drafting only where the adaptive planner predicts a gain
-    # (lookup = true drafts by lookup as asked; `serve --no-lookup` turns both off)
-    lookup_auto: bool = True
+    # prompt lookup for every model without asking, for a lone generating stream where the adaptive planner
+    # predicts a gain (lookup = true drafts by lookup as asked; `serve --no-lookup` turns both off). Off by
+    # default: measured over HTTP on a 2-core CPU it lost throughput (README, "against llama.cpp's own server")
+    lookup_auto: bool = False
     draft_max: int = 16
     draft_adaptive: bool = True  # False: always draft draft_max (llama-server's behaviour)
     # each loaded model's engine in its own process (a native fault costs its requests an error, not the

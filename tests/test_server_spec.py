@@ -78,27 +78,33 @@ def test_draft_with_a_different_vocabulary_is_refused_clearly(tmp_path: Path) ->
         thread.join(timeout=20)
 
 
-# ---- prompt lookup by default, where the planner predicts a gain (issue 15) --------------------------
-def test_lookup_is_on_by_default_and_no_lookup_turns_it_off(tmp_path: Path) -> None:
+# ---- prompt lookup without asking (lookup_auto, issue 15) ---------------------------------------------
+def test_lookup_auto_setting_and_no_lookup(tmp_path: Path) -> None:
     from localllm.compose.spec import Composer
 
     class Man:
         name, digest = "m:latest", "sha256:" + "0" * 64
 
-    auto = Composer(load_settings({}), None, None).speculation(Man())[0]
+    assert Composer(load_settings({}), None, None).speculation(Man())[0] is None  # off by default (measured)
+    auto = Composer(load_settings({"LOCALLLM_LOOKUP_AUTO": "1"}), None, None).speculation(Man())[0]
     assert auto is not None and auto.lookup and auto.adaptive and auto.optional and auto.draft_model is None
-    assert Composer(load_settings({"LOCALLLM_LOOKUP_AUTO": "0"}), None, None).speculation(Man())[0] is None
-    # the planner decides where drafting pays: without it there is no default drafting
-    assert Composer(load_settings({"LOCALLLM_DRAFT_ADAPTIVE": "0"}), None, None).speculation(Man())[0] is None
+    # the planner decides where drafting pays: without it there is no drafting without asking
+    no_plan = {"LOCALLLM_LOOKUP_AUTO": "1", "LOCALLLM_DRAFT_ADAPTIVE": "0"}
+    assert Composer(load_settings(no_plan), None, None).speculation(Man())[0] is None
     asked = Composer(load_settings({"LOCALLLM_LOOKUP": "1"}), None, None).speculation(Man())[0]
     assert asked is not None and asked.lookup and not asked.optional
 
 
-def test_default_lookup_drafts_on_repeats_and_keeps_the_text(srv: Server) -> None:
-    """The plain server (no speculative settings) drafts by lookup where the text repeats; greedy text is the
-    same as with drafting off for the request."""
-    body = {"prompt": REPEAT, "n_predict": 60, "temperature": 0, "model": TINY}
-    r = httpx.post(srv.url + "/completion", json=body, timeout=60).json()
-    off = httpx.post(srv.url + "/completion", json=body | {"speculative.n_max": 0}, timeout=60).json()
-    assert off["timings"]["draft_n"] == 0 and off["content"] == r["content"]
-    assert r["timings"]["draft_n"] > 0
+def test_lookup_auto_drafts_on_repeats_and_keeps_the_text(tmp_path: Path) -> None:
+    """A server with lookup_auto drafts by lookup where the text repeats (one stream); the greedy text is
+    the same as with drafting off for the request."""
+    info, server, thread = start_server(tmp_path, lookup_auto=True)
+    try:
+        body = {"prompt": REPEAT, "n_predict": 60, "temperature": 0, "model": TINY}
+        r = httpx.post(info.url + "/completion", json=body, timeout=60).json()
+        off = httpx.post(info.url + "/completion", json=body | {"speculative.n_max": 0}, timeout=60).json()
+        assert off["timings"]["draft_n"] == 0 and off["content"] == r["content"]
+        assert r["timings"]["draft_n"] > 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
