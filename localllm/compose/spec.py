@@ -132,7 +132,7 @@ class Composer:
 
         s = self.settings
         if not s.draft and not s.lookup:
-            if getattr(s, "lookup_auto", False) and s.draft_adaptive:  # the planner drafts where it predicts a gain
+            if s.lookup_auto and s.draft_adaptive:  # the planner drafts where it predicts a gain
                 return SpecConfig(lookup=True, draft_max=s.draft_max, adaptive=True, optional=True), 0
             return None, 0
         if s.draft == "auto":
@@ -159,7 +159,7 @@ class Composer:
             kw["n_batch"] = n_batch
         if s.prefix_cache_bytes is not None:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
-        disk = int(getattr(s, "prompt_cache_disk_bytes", 0) or 0)
+        disk = s.prompt_cache_disk_bytes
         if disk > 0 and digest:  # the disk tier: one folder per model file
             from localllm.config import paths
 

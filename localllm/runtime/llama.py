@@ -107,16 +107,6 @@ def system_info() -> str:
     return (lc.llama_print_system_info() or b"").decode("utf-8", "replace")
 
 
-def library_version() -> str:
-    """llama-cpp-python's version (saved sequence states restore only into the library that wrote them)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("llama-cpp-python")
-    except PackageNotFoundError:
-        return str(getattr(lc, "__version__", "unknown"))
-
-
 class Model:
     """A loaded GGUF model and its vocabulary. Read-only after load: safe to share between threads.
 

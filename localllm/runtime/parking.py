@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
+
 from localllm.errors import LocalLLMError
-from localllm.runtime.llama import Context, library_version
+from localllm.runtime.llama import Context
 from localllm.runtime.prefix_cache import StateLRU
 from localllm.runtime.slots import Slot
 from localllm.runtime.state_disk import DiskStates
@@ -30,7 +32,7 @@ def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: b
     # V), offload, library version
     fa = {None: "auto", True: "on", False: "off"}[ctx.flash_attn]
     layout = (f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-fa{fa}-ngl{ctx.model.n_gpu_layers}"
-              f"-llama{library_version()}")
+              f"-llama{getattr(llama_cpp, '__version__', 'unknown')}")  # as devices.build_info reads it
     try:
         return DiskStates(Path(folder) / layout, budget, *rest)
     except OSError:  # an unwritable cache folder costs the disk tier, not the model

@@ -204,18 +204,21 @@ class DiskStates:
             self._remove(k)
         with self._lock:
             lru = sorted((e.used, k) for k, e in self._index.items() if k != key)
+            total = sum(e.size for e in self._index.values())
         for _, k in lru:  # least recently used first, until within the budget
-            if self.used <= self.budget:
+            if total <= self.budget:
                 break
-            self._remove(k)
+            total -= self._remove(k)
 
-    def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> None:
-        """Forget `key` and delete its file; with `expect`, only if the index still holds that entry (the
-        writer may have just stored a new one under the same name)."""
+    def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> int:
+        """Forget `key` and delete its file (the bytes freed); with `expect`, only if the index still holds
+        that entry (the writer may have just stored a new one under the same name)."""
         with self._lock:
             if expect is not None and self._index.get(key) is not expect:
-                return
+                return 0
             e = self._index.pop(key, None)
-        if e is not None:
-            with contextlib.suppress(OSError):
-                e.path.unlink()
+        if e is None:
+            return 0
+        with contextlib.suppress(OSError):
+            e.path.unlink()
+        return e.size

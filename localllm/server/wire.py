@@ -24,7 +24,7 @@ def timings_dict(t: Any) -> dict[str, Any]:
             "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
             "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
             "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted,
-            "cache_tier": getattr(t, "cache_tier", "")}  # localllm's: where cache_n came from
+            "cache_tier": t.cache_tier}  # localllm's: where cache_n came from
 
 
 def token_text(piece: bytes) -> str:
