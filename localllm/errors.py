@@ -99,3 +99,18 @@ class Overloaded(LocalLLMError):
 
 class EngineError(LocalLLMError):
     status = 500
+
+
+class UpstreamError(LocalLLMError):
+    """A remote model's upstream server failed the request (refused the connection, the key, or answered
+    5xx); the message names the upstream."""
+
+    status = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+
+
+class UpstreamUnsupported(InvalidInput):
+    """The request needs something the remote model's upstream does not serve (e.g. /infill on vLLM)."""

@@ -57,13 +57,15 @@ def install(store: Any, src: Path, name: str) -> None:
     store.write_manifest(Manifest(name=name, digest=digest, size=size))
 
 
-def start_server(root: Path, **settings_kw: Any) -> tuple[Server, Any, threading.Thread]:
-    """A server over the tiny model; its store, catalog and settings are built explicitly, so it does not
-    depend on the per-test LOCALLLM_HOME. Stop it with `server.should_exit = True; thread.join()`."""
+def start_server(root: Path, *, remotes: Any = None, **settings_kw: Any) -> tuple[Server, Any, threading.Thread]:
+    """A server over the tiny model; its store, catalog, remote models (`root/remotes.json` unless given)
+    and settings are built explicitly, so it does not depend on the per-test LOCALLLM_HOME. Stop it with
+    `server.should_exit = True; thread.join()`."""
     import uvicorn
 
     from localllm.config import Settings
     from localllm.models.catalog import Catalog
+    from localllm.models.remotes import Remotes
     from localllm.models.store import Store
     from localllm.server.app import create_app
 
@@ -73,7 +75,8 @@ def start_server(root: Path, **settings_kw: Any) -> tuple[Server, Any, threading
     catalog.models[TINY] = {"template": "chatml", "fim": FIM}
     # no disk tier unless a test asks: a module's server outlives the test whose home its cache would use
     kw = {"slots": 4, "threads": 1, "ctx": 1024, "keep_alive": "5m", "prompt_cache_disk_bytes": 0} | settings_kw
-    app = create_app(Settings(**kw), store=store, catalog=catalog)
+    app = create_app(Settings(**kw), store=store, catalog=catalog,
+                     remotes=remotes if remotes is not None else Remotes(root / "remotes.json"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "quantize": ("localllm.cli.quantize", "quantize", "Quantize a model with llama.cpp (Q2_K … Q8_0) into the store."),
     "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),
     "doctor": ("localllm.cli.doctor", "doctor", "Check the llama.cpp build against this machine's GPUs."),
+    "remote": ("localllm.cli.remotes", "remote", "Add, list or remove models served by another server (vLLM, llama-server…)."),
     "eval": ("localllm.cli.eval", "eval_", "Measure model quality (eval ppl: perplexity over a text)."),
 }
 

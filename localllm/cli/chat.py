@@ -61,7 +61,8 @@ def build_backend(model: str | None, ctx: int | None, *, use_server: bool = True
     def puller(name: str, progress: Any) -> None:
         pull_mod.pull(catalog.resolve(name), store, progress)
 
-    return EngineBackend(engine_for, composer.builder, store=store, catalog_=catalog, puller=puller), model
+    return EngineBackend(engine_for, composer.builder, store=store, catalog_=catalog, puller=puller,
+                         remotes=composer.remotes), model
 
 
 @click.command()

@@ -119,16 +119,21 @@ def list_(show_catalog: bool, as_json: bool) -> None:
             table(["NAME", "QUANT", "CONTEXT", "SOURCE", "DESCRIPTION"],
                   [[r["name"], r["default_quant"], r["context_length"], r["source"], r["description"]] for r in rows])
         return
-    mans = Store().list()
+    from localllm.models.remotes import Remotes
+
+    mans, remotes = Store().list(), Remotes().list()
     if as_json:
         print_json([{"name": m.name, "digest": m.digest, "size": m.size, "quant": m.quant,
-                     "modified": m.created, "source": m.source} for m in mans])
+                     "modified": m.created, "source": m.source} for m in mans]
+                   + [{**r.public(), "modified": r.created, "source": "remote"} for r in remotes])
         return
-    if not mans:
+    if not mans and not remotes:
         click.echo("No models installed. Try: localllm pull gemma3:270m", err=True)
         return
-    table(["NAME", "ID", "SIZE", "QUANT", "MODIFIED"],
-          [[m.name, m.digest.split(":")[-1][:12], human_bytes(m.size), m.quant or "", _ago(m.created)] for m in mans])
+    rows = [[m.name, m.digest.split(":")[-1][:12], human_bytes(m.size), m.quant or "", _ago(m.created)] for m in mans]
+    # a remote model: where it runs instead of a file (its key's variable is `remote list`'s business)
+    rows += [[r.name, "remote", r.url, r.model, _ago(r.created)] for r in remotes]
+    table(["NAME", "ID", "SIZE", "QUANT", "MODIFIED"], rows)
 
 
 def _ago(ts: float) -> str:
@@ -216,11 +221,15 @@ def _model_file(model: str) -> tuple[Any, Any]:
 @click.command()
 @click.argument("models", nargs=-1, required=True)
 def rm(models: tuple[str, ...]) -> None:
-    """Remove installed models. A file still used by a running localllm is kept until it is free."""
+    """Remove installed (or remote) models. A file still used by a running localllm is kept until it is free."""
+    from localllm.models.remotes import Remotes
     from localllm.models.store import Store
 
-    store = Store()
+    store, remotes = Store(), Remotes()
     for name in models:
+        if store.get(name) is None and remotes.get(name) is not None:
+            click.echo(f"deleted remote '{remotes.remove(name).name}'")
+            continue
         res = store.rm(name)
         msg = f"deleted '{res.name}'"
         if not res.blob_removed and res.kept_reason:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from localllm.cli import Number, Setting, load_settings
-from localllm.errors import InvalidInput
+from localllm.errors import InvalidInput, LocalLLMError
 
 
 def resolve_model(model: str) -> tuple[Path, str | None]:
@@ -126,12 +126,17 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     if prompt is not None and not no_server and _try_server(model, prompt, ctx, temperature, seed, max_tokens,
                                                             raw, verbose):
         return
-    path, template_name = resolve_model(model)
+    remote = _remote_model(model)
+    if remote is not None and prompt is not None:  # served by its upstream: nothing loads here
+        _run_remote_model(remote, prompt, temperature, seed, max_tokens, raw, verbose)
+        return
+    path, template_name = (None, None) if remote is not None else resolve_model(model)
     if prompt is None:  # a terminal and no prompt: the chat UI
         from localllm.cli.chat import open_chat
 
         open_chat(str(path) if model.lower().endswith(".gguf") else model, ctx, cpu_kernels=cpu_kernels)
         return
+    assert path is not None
     from localllm.compose.formats import file_format, raw_format
     from localllm.compose.requests import Options, RequestBuilder
     from localllm.compose.spec import engine_kwargs
@@ -151,6 +156,37 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         fmt = raw_format() if raw else file_format(path, template_name, engine.model)
         _stream(engine, RequestBuilder(fmt, engine).prompt(prompt, options, template=not raw, policy="shift"), verbose)
         sys.stdout.write("\n")
+
+
+def _remote_model(model: str) -> Any:
+    """The remote model (`localllm remote add`) `model` names, unless it is a file or an installed model."""
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf" or p.is_file():
+        return None
+    from localllm.models.remotes import Remotes
+    from localllm.models.store import Store
+
+    try:
+        return None if Store().get(model) is not None else Remotes().get(model)
+    except LocalLLMError:
+        return None
+
+
+def _run_remote_model(remote: Any, prompt: str, temperature: float, seed: int | None, max_tokens: int, raw: bool,
+                      verbose: bool) -> None:
+    """One prompt through a remote model's upstream, in this process (the same builder as the server's)."""
+    from localllm.compose.remote import RemoteEngine
+    from localllm.compose.remote_requests import RemoteBuilder
+    from localllm.compose.requests import Options
+
+    options = Options(sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens,
+                      max_tokens_name="--max-tokens")
+    engine = RemoteEngine(remote=remote)
+    try:
+        _stream(engine, RemoteBuilder(remote).prompt(prompt, options, template=not raw), verbose)
+        sys.stdout.write("\n")
+    finally:
+        engine.close()
 
 
 def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, seed: int | None,

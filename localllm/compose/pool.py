@@ -31,6 +31,9 @@ class ModelSpec:
     details: dict[str, Any] = field(default_factory=dict, hash=False)
     # entered while the model is loaded (the store marks the file in use), exited on unload
     hold: Callable[[], contextlib.AbstractContextManager[Any]] | None = field(default=None, hash=False)
+    # a remote model: the upstream's URL, and what makes its engine (instead of the pool's factory)
+    remote: str = ""
+    factory: Callable[..., Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
@@ -111,6 +114,12 @@ def _runner(engine: Any) -> dict[str, Any] | None:
     return status() if callable(status) else None
 
 
+def _remote(engine: Any) -> dict[str, Any] | None:
+    """A remote model's upstream and latency (compose.remote.RemoteEngine); None for a local engine."""
+    status = getattr(engine, "remote_status", None)
+    return status() if callable(status) else None
+
+
 class ModelPool:
     def __init__(self, resolve: Callable[[str, dict[str, Any]], ModelSpec], *, engine_factory: Callable[..., Any],
                  memory_budget: int | None = None, default_keep_alive: float = 300.0, max_models: int = 3,
@@ -155,7 +164,7 @@ class ModelPool:
             if spec.hold is not None:
                 stack.enter_context(spec.hold())
             try:
-                engine = self._factory(spec.path, **spec.engine_kwargs)
+                engine = (spec.factory or self._factory)(spec.path, **spec.engine_kwargs)
             except BaseException:
                 stack.close()
                 raise
@@ -230,7 +239,8 @@ class ModelPool:
         """What /api/ps and `localllm ps` show."""
         now, wall = time.monotonic(), time.time()
         with self._lock:
-            return [{"name": k, "path": str(e.spec.path), "size": e.spec.size_bytes, "size_vram": e.spec.size_vram,
+            return [{"name": k, "path": e.spec.remote or str(e.spec.path), "size": e.spec.size_bytes,
+                     "size_vram": e.spec.size_vram, "remote": _remote(e.engine),
                      "expires_at": None if e.keep_alive == FOREVER else wall + (e.expires_at - now),
                      "context_length": getattr(e.engine, "n_ctx", None), "details": e.spec.details,
                      "busy": e.users > 0 or not e.engine.idle(), "runner": _runner(e.engine),
@@ -277,9 +287,10 @@ class ModelPool:
         def over() -> bool:
             used = sum(e.spec.size_bytes for e in self._loaded.values())
             too_big = self.memory_budget is not None and used + spec.size_bytes > self.memory_budget
-            # max_models counts the models that come and go; pinned ones are the operator's choice
-            unpinned = sum(1 for e in self._loaded.values() if e.spec.name not in self._pinned)
-            return too_big or (spec.name not in self._pinned and unpinned >= self.max_models)
+            # max_models counts the models that come and go; pinned ones are the operator's choice, and a
+            # remote one holds no memory here
+            unpinned = sum(1 for e in self._loaded.values() if e.spec.name not in self._pinned and not e.spec.remote)
+            return too_big or (spec.name not in self._pinned and not spec.remote and unpinned >= self.max_models)
 
         for key, entry in list(self._loaded.items()):  # crashed runners hold no memory: they go first
             if getattr(entry.engine, "failure", None) is not None:

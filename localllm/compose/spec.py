@@ -41,6 +41,12 @@ def details(info: Any) -> dict[str, Any]:
             "parameter_size": info.parameter_label, "quantization_level": info.quant}
 
 
+def remote_details(remote: Any) -> dict[str, Any]:
+    """Ollama's `details` for a remote model (tags, show, ps): its format says where it runs."""
+    return {"parent_model": "", "format": "remote", "family": "remote", "families": ["remote"],
+            "parameter_size": "", "quantization_level": "", "remote_url": remote.url, "remote_model": remote.model}
+
+
 def template_override(fmt: ChatFormat, value: str, model: Any) -> ChatFormat:
     """`fmt` with the template `serve --chat-template` names instead of the model's own: a built-in
     name (with its stop strings) or a Jinja file. The model's BOS/EOS text and FIM tokens stay."""
@@ -70,8 +76,14 @@ def _int_option(options: dict[str, Any], key: str, lo: int = 1, hi: int = 1 << 3
 class Composer:
     """Name → ModelSpec for the pool, and name → ChatFormat for the handlers. Caches per file digest."""
 
-    def __init__(self, settings: Any, store: Any, catalog: Any, info_cache: dict[str, Any] | None = None) -> None:
+    def __init__(self, settings: Any, store: Any, catalog: Any, info_cache: dict[str, Any] | None = None,
+                 remotes: Any = None) -> None:
         self.settings, self.store, self.catalog = settings, store, catalog
+        if remotes is None:
+            from localllm.models.remotes import Remotes
+
+            remotes = Remotes()
+        self.remotes = remotes  # models.remotes.Remotes: `localllm remote add` entries
         self._info = info_cache if info_cache is not None else {}
         self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._formats: dict[str, ChatFormat] = {}
@@ -86,10 +98,23 @@ class Composer:
             self._info[man.digest] = model_info(self.store.blob_path(man.digest))
         return man, self._info[man.digest]
 
+    def remote(self, name: str) -> Any:
+        """The remote model (models.remotes.Remote) `name` stands for, or None. An installed model of the
+        same name wins (`remote add` refuses one, but a later pull could make one)."""
+        if self.store.get(name) is not None:
+            return None
+        return self.remotes.get(name)
+
     # ---- the pool's resolver ---------------------------------------------------------------------
     def resolve(self, name: str, options: dict[str, Any]) -> ModelSpec:
         if not isinstance(name, str) or not name.strip():
             raise InvalidInput("missing model name", "send \"model\": \"name:tag\"")
+        remote = self.remote(name)
+        if remote is not None:
+            from localllm.compose.remote import RemoteEngine
+
+            return ModelSpec(name=remote.name, path=Path(), engine_kwargs={"remote": remote}, details=remote_details(remote),
+                             remote=remote.url, factory=RemoteEngine)
         man, info = self.info(name)
         s = self.settings
         asked_ctx = _int_option(options, "num_ctx")
@@ -188,6 +213,13 @@ class Composer:
         sampling = {k: getattr(s, k, None) for k in ("temperature", "seed")}
         return Defaults({k: v for k, v in sampling.items() if v is not None}, getattr(s, "n_predict", None))
 
-    def builder(self, name: str, engine: Any) -> RequestBuilder:
-        """The request builder for a loaded model (its engine) under its name, with the server's defaults."""
+    def builder(self, name: str, engine: Any) -> Any:
+        """The request builder for a loaded model (its engine) under its name, with the server's defaults:
+        compose.requests.RequestBuilder, or for a remote model compose.remote_requests.RemoteBuilder (the
+        same calls)."""
+        remote = getattr(engine, "remote", None)
+        if remote is not None and type(engine).__name__ == "RemoteEngine":
+            from localllm.compose.remote_requests import RemoteBuilder
+
+            return RemoteBuilder(remote, self.defaults())
         return RequestBuilder(self.chat_format(name, engine), engine, self.defaults())

@@ -106,6 +106,8 @@ class Request:
     # how the doors read the reply (compose.reply.ReplyFormat: reasoning markers, tool-call syntax, the
     # reasoning budget); the engine never looks at it
     reply: Any = None
+    # a remote model's call to its upstream (compose.remote.UpstreamCall): the text goes there, not tokens
+    upstream: Any = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

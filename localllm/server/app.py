@@ -178,8 +178,9 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(settings: Settings | None = None, *, store: Any = None, catalog: Any = None,
-               pool: Any = None) -> FastAPI:
-    """Build the server. Tests pass their own store, catalog and pool; the CLI passes nothing."""
+               pool: Any = None, remotes: Any = None) -> FastAPI:
+    """Build the server. Tests pass their own store, catalog, pool and remote models (models.remotes.Remotes);
+    the CLI passes nothing."""
     from localllm.compose.spec import Composer
     from localllm.models.catalog import Catalog
     from localllm.models.store import Store
@@ -208,7 +209,8 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     app.state.store = store or Store()
     app.state.catalog = catalog or Catalog.load()
     app.state.info_cache = {}
-    app.state.composer = Composer(settings, app.state.store, app.state.catalog, app.state.info_cache)
+    app.state.composer = Composer(settings, app.state.store, app.state.catalog, app.state.info_cache, remotes)
+    app.state.remotes = app.state.composer.remotes
     app.state.owns_pool = pool is None
     app.state.loads = LoadTracker()  # sees the loads of the default pool (a caller's pool loads unseen)
     app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)

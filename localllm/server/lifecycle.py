@@ -106,6 +106,9 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
             return model
         if man is not None:
             return str(man.name)
+        remote = state.composer.remote(model) if getattr(state, "composer", None) is not None else None
+        if remote is not None:
+            return str(remote.name)
         if default:
             return str(default)
         loaded = state.pool.loaded() if state.pool is not None else []

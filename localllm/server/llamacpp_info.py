@@ -34,14 +34,16 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
-    """(pool entry, engine) for each loaded model, read without holding them; the server's default model
-    (`serve --model`) last, so /props and /slots show it as llama-server shows its one model."""
+def _engines(state: Any, *, local: bool = False) -> list[tuple[dict[str, Any], Any]]:
+    """(pool entry, engine) for each loaded model (`local`: not the remote ones, which have no slots or
+    template here), read without holding them; the server's default model (`serve --model`) last, so
+    /props and /slots show it as llama-server shows its one model."""
     pool = state.pool
     if pool is None:
         return []
     loaded = dict(pool.engines())
-    out = [(m, loaded.get(m["name"])) for m in pool.loaded() if loaded.get(m["name"]) is not None]
+    out = [(m, loaded.get(m["name"])) for m in pool.loaded()
+           if loaded.get(m["name"]) is not None and not (local and m.get("remote"))]
     default = getattr(state, "default_name", None)
     return sorted(out, key=lambda pair: pair[0]["name"] == default)  # stable: load order otherwise
 
@@ -50,7 +52,7 @@ def _engines(state: Any) -> list[tuple[dict[str, Any], Any]]:
 async def props(request: Request) -> dict[str, Any]:
     """llama-server's /props for the model loaded most recently (model_path is its name, never a file path)."""
     state = request.app.state
-    engines = _engines(state)
+    engines = _engines(state, local=True)
     m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
     n_ctx = getattr(engine, "n_ctx", None) or 0
     slots = len(engine.stats()["slots"]) if engine is not None else state.settings.slots
@@ -79,7 +81,7 @@ def _version() -> str:
 
 @router.get("/slots")
 async def slots(request: Request) -> list[dict[str, Any]]:
-    engines = _engines(request.app.state)
+    engines = _engines(request.app.state, local=True)
     want = request.query_params.get("model")  # several models on one port: ?model= picks one
     engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
     if not engines:
@@ -119,7 +121,29 @@ async def metrics(request: Request) -> Response:
     lines += ["# HELP localllm:prompt_cache_hits_total requests whose prompt prefix came from the cache, by tier",
               "# TYPE localllm:prompt_cache_hits_total counter"]
     lines += [f'localllm:prompt_cache_hits_total{{tier="{t}"}} {n}' for t, n in hits.items()]
+    lines += remote_metrics([(m["name"], e) for m, e in _engines(request.app.state)])
     ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
     lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
               "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def remote_metrics(engines: list[tuple[str, Any]]) -> list[str]:
+    """Per remote model: requests, failures, and time to first token through localllm (median of the
+    latest requests, and the last one), labelled with the model and its upstream."""
+    rows = [(name, st) for name, e in engines if (st := e.stats().get("remote"))]
+    if not rows:
+        return []
+    out = []
+    for key, kind, what in (("requests", "counter", "requests sent to a remote model's upstream"),
+                            ("errors", "counter", "requests its upstream failed"),
+                            ("ttft_ms_p50", "gauge", "median time to first token through localllm, ms"),
+                            ("ttft_ms_last", "gauge", "the last request's time to first token, ms")):
+        metric = f"localllm:remote_{key}" + ("_total" if kind == "counter" else "")
+        out += [f"# HELP {metric} {what}", f"# TYPE {metric} {kind}"]
+        for name, st in rows:
+            value = st.get(key)
+            url = str(st.get("url", "")).replace('"', "%22")
+            out.append(f'{metric}{{model="{name}",upstream="{url}"}} {0 if value is None else value}')
+    return out
+

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from localllm import __version__
 from localllm.errors import CorruptStore, LocalLLMError, ModelNotFound
-from localllm.server.models import show_facts, tag_entry
+from localllm.server.models import remote_show, remote_tag_entry, remotes, show_facts, tag_entry
 from localllm.server.security import cap_echo
 from localllm.server.wire import Body
 
@@ -65,13 +65,16 @@ async def tags(request: Request) -> dict[str, Any]:
             out.append(tag_entry(state, man))
         except LocalLLMError:
             continue  # an unreadable file is not listed; `localllm list` still shows its name
-    return {"models": out}
+    return {"models": out + [remote_tag_entry(r) for r in remotes(state)]}
 
 
 @router.post("/api/show")
 async def show(body: ModelRef, request: Request) -> dict[str, Any]:
     """`{"model": ...}` (or the older `{"name": ...}`); what each field holds: server/models.py."""
     state = request.app.state
+    remote = state.composer.remote(body.ref())
+    if remote is not None:
+        return remote_show(remote)
     man = state.store.require(body.ref())
     return await run_in_threadpool(show_facts, state, man)  # reads the file's header, plans the context
 

@@ -244,5 +244,6 @@ async def ps(request: Request) -> dict[str, Any]:
                     "digest": man.digest.split(":")[-1] if man else "", "details": m["details"],
                     "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z"),
                     "context_length": m["context_length"],
-                    **({"runner": m["runner"]} if m.get("runner") else {})})  # localllm's: pid, running/crashed
+                    **({"runner": m["runner"]} if m.get("runner") else {}),  # localllm's: pid, running/crashed
+                    **({"remote": m["remote"]} if m.get("remote") else {})})  # upstream, requests, latency
     return {"models": out}

@@ -411,7 +411,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.get("/v1/models")
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    installed = request.app.state.store.list()
+    from localllm.server.models import remotes
+
+    installed = request.app.state.store.list() + remotes(request.app.state)  # both have name and created
     if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() on the same path
         data = [{"type": "model", "id": m.name, "display_name": m.name,
                  "created_at": datetime.fromtimestamp(m.created, timezone.utc).isoformat().replace("+00:00", "Z")}
@@ -425,7 +427,8 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{name:path}")
 @router.get("/models/{name:path}")
 async def model(name: str, request: Request) -> dict[str, Any]:
-    man = request.app.state.store.require(name)
+    remote = request.app.state.composer.remote(name)
+    man = remote or request.app.state.store.require(name)
     return {"id": man.name, "object": "model", "created": int(man.created), "owned_by": "localllm"}
 
 

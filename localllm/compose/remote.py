@@ -1,0 +1,362 @@
+"""A remote model's engine: requests go to an upstream OpenAI-compatible server (vLLM, SGLang, llama-server,
+another localllm) and its streamed answer comes back as the same Stream of Chunks a local engine gives,
+so every door (the HTTP dialects, `run`, the chat UI) serves it through the one lifecycle.
+
+- `submit` returns once the upstream has answered with its status line: a refused connection, a wrong
+  key, a 4xx or 5xx is raised there as a clear error naming the upstream (so a door answers it with a
+  status code, not a broken stream), never a hang (connect and read timeouts).
+- The body is read on one event-loop thread shared by all remote engines; each SSE event becomes a Chunk
+  at once (token-by-token pass-through). Reasoning (`reasoning_content`) and tool calls arrive as the
+  text a `<think>` / Hermes `<tool_call>` reply would carry, so the doors' one reply parser reads them.
+- Cancelling the stream cancels the upstream task, which closes its connection: the upstream stops.
+- The upstream's usage is the request's usage; time to first token is measured here, for `ps` and
+  /metrics. The API key is sent in the Authorization header only and is cut out of any upstream message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from localllm.errors import InvalidInput, UpstreamError, UpstreamTimeout, UpstreamUnsupported
+from localllm.runtime.slots import StreamState
+from localllm.runtime.stream import Stream
+from localllm.runtime.types import Chunk, Request, Timings, Usage
+
+log = logging.getLogger("localllm.remote")
+CONNECT_TIMEOUT_S = 10.0
+THINK = ("<think>", "</think>")
+TOOL = ("<tool_call>", "</tool_call>")
+PATHS = {"chat": "/chat/completions", "completions": "/completions"}  # under the base URL; infill: the root's
+
+
+@dataclass
+class UpstreamCall:
+    """What a remote request sends: `kind` picks the endpoint (chat, completions, or llama.cpp's infill)."""
+
+    kind: str
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class _Loop:
+    """One event loop on a daemon thread for every remote engine of the process (made on first use)."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="localllm-remote", daemon=True).start()
+                cls._loop = loop
+            return cls._loop
+
+
+class RemoteEngine:
+    """The engine of one remote model (`Remote` from models.remotes). Duck-types the parts of Engine the
+    pool and the doors use: submit, idle, stats, close; no tokenizer (those requests get a clear 400)."""
+
+    failure = None  # never "crashed": an upstream failure is per request
+    n_ctx = None  # the upstream's; not known here
+
+    def __init__(self, _path: Any = None, *, remote: Any, **_: Any) -> None:  # the pool's factory call
+        self.remote = remote
+        self._loop = _Loop.get()
+        timeout = httpx.Timeout(remote.timeout_s, connect=min(CONNECT_TIMEOUT_S, remote.timeout_s))
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+        self._client: httpx.AsyncClient = asyncio.run_coroutine_threadsafe(
+            _client(timeout, limits), self._loop).result()
+        self._lock = threading.Lock()
+        self._active = 0
+        self._requests = self._errors = 0
+        self._ttft: deque[float] = deque(maxlen=256)  # ms, the latest requests
+        self._closed = False
+
+    # ---- the pool's and the doors' side -----------------------------------------------------------------
+    def submit(self, req: Request) -> Stream:
+        call = req.upstream
+        if not isinstance(call, UpstreamCall):
+            raise InvalidInput(f"{self.remote.name} is a remote model: its requests are built by compose.remote_requests")
+        if self._closed:
+            raise UpstreamError(f"{self.remote.name} was unloaded", "retry the request")
+        state = StreamState()
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._active += 1
+            self._requests += 1
+        task = asyncio.run_coroutine_threadsafe(self._run(call, state, started), self._loop)
+        try:
+            started.result()  # the upstream's status line, or why there is none
+        except BaseException:
+            task.cancel()
+            raise
+        return Stream(state, req.id, wake=task.cancel)
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._active == 0
+
+    def waiting(self) -> int:
+        return 0  # the upstream queues; nothing waits here
+
+    def remote_status(self) -> dict[str, Any]:
+        """The upstream and its latency, for `ps` and /metrics (no key, only its variable's name)."""
+        with self._lock:
+            ttft = list(self._ttft)
+            out = {"url": self.remote.url, "model": self.remote.model, "requests": self._requests,
+                   "errors": self._errors, "active": self._active}
+        out["ttft_ms_p50"] = round(statistics.median(ttft), 1) if ttft else None
+        out["ttft_ms_last"] = round(ttft[-1], 1) if ttft else None
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"slots": [], "n_ctx": 0, "waiting": 0, "remote": self.remote_status()}
+
+    def tokenize(self, *_: Any, **__: Any) -> list[int]:
+        raise InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): its tokenizer lives on "
+                           "the upstream", "send text, or ask the upstream directly")
+
+    detokenize = tokenize
+
+    def close(self) -> None:
+        self._closed = True
+        if not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop)
+
+    # ---- the upstream call --------------------------------------------------------------------------------
+    def _url(self, kind: str) -> str:
+        return self.remote.root + "/infill" if kind == "infill" else self.remote.url + PATHS[kind]
+
+    def _clean(self, text: str) -> str:
+        key = self.remote.api_key()
+        return text.replace(key, "***") if key else text
+
+    def _where(self) -> str:
+        return f"the upstream of {self.remote.name} at {self.remote.url}"
+
+    async def _run(self, call: UpstreamCall, state: StreamState, started: concurrent.futures.Future[None]) -> None:
+        t0 = time.perf_counter()
+        reader = _Reader(call.kind)
+        headers = {"Accept": "text/event-stream"}
+        key = self.remote.api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            async with self._client.stream("POST", self._url(call.kind), json=call.body, headers=headers) as resp:
+                if resp.status_code >= 400:
+                    raise self._status_error(call.kind, resp.status_code, (await resp.aread())[:2000])
+                started.set_result(None)
+                async for event in _events(resp):
+                    if state.cancelled.is_set():
+                        break
+                    text = reader.feed(event)
+                    if text:
+                        if reader.first_at is None:
+                            reader.first_at = time.perf_counter()
+                            with self._lock:
+                                self._ttft.append((reader.first_at - t0) * 1000)
+                        state.put(Chunk(text=text))
+                    if reader.done:
+                        break
+            if state.cancelled.is_set():
+                state.put(reader.last("cancelled", t0))
+            elif not reader.done:
+                raise UpstreamError(f"{self._where()} closed the stream before the answer ended",
+                                    "the upstream may have restarted; retry the request")
+            else:
+                state.put(reader.last(None, t0))
+        except asyncio.CancelledError:
+            state.put(reader.last("cancelled", t0))  # the reader sees the end; the connection is closed
+        except BaseException as exc:  # noqa: BLE001 - every failure reaches the request, never the loop
+            err = exc if isinstance(exc, (UpstreamError, InvalidInput)) else self._transport_error(exc)
+            with self._lock:
+                self._errors += 1
+            if not started.done():
+                started.set_exception(err)
+            else:
+                state.put(Chunk(finish_reason="error", error=err, timings=reader.timings(t0)))
+        finally:
+            with self._lock:
+                self._active -= 1
+            if not started.done():
+                started.set_result(None)
+
+    def _status_error(self, kind: str, status: int, body: bytes) -> Exception:
+        detail = self._clean(_error_text(body)) or f"HTTP {status}"
+        if status in (401, 403):
+            env = self.remote.api_key_env
+            hint = (f"check the key in ${env}" if env and self.remote.api_key() else
+                    f"set ${env}" if env else "add the remote again with --api-key-env NAME")
+            return UpstreamError(f"{self._where()} refused the API key ({status}: {detail})", hint)
+        if kind == "infill" and status in (404, 405):
+            return UpstreamUnsupported(f"{self._where()} has no /infill (llama.cpp's fill-in-the-middle endpoint: "
+                                       "llama-server and localllm serve it, vLLM and SGLang do not)",
+                                       "use an editor provider that sends chat or completions requests")
+        if status in (404, 405):
+            return UpstreamUnsupported(f"{self._where()} does not serve {PATHS.get(kind, kind)} ({status}: {detail})",
+                                       "check the URL (it ends in /v1) and the upstream model name")
+        if status < 500:
+            return UpstreamUnsupported(f"{self._where()} refused the request ({status}: {detail})")
+        return UpstreamError(f"{self._where()} failed ({status}: {detail})", "see the upstream's log")
+
+    def _transport_error(self, exc: BaseException) -> Exception:
+        what = self._clean(str(exc) or exc.__class__.__name__)
+        if isinstance(exc, httpx.ConnectTimeout):
+            return UpstreamTimeout(f"{self._where()} did not accept a connection within "
+                                   f"{min(CONNECT_TIMEOUT_S, self.remote.timeout_s):g} s", "is the host up?")
+        if isinstance(exc, httpx.TimeoutException):
+            return UpstreamTimeout(f"{self._where()} sent nothing for {self.remote.timeout_s:g} s",
+                                   "the upstream is overloaded or stuck; raise the remote's --timeout if it is slow")
+        if isinstance(exc, httpx.ConnectError):
+            return UpstreamError(f"cannot reach {self._where()}: {what}", "is the upstream running, and the URL right?")
+        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+            return UpstreamError(f"{self._where()} broke off the answer ({what})",
+                                 "the upstream may have stopped; retry the request")
+        log.warning("remote %s failed: %s", self.remote.name, exc.__class__.__name__)
+        return UpstreamError(f"{self._where()} failed ({exc.__class__.__name__}: {what})")
+
+
+async def _client(timeout: httpx.Timeout, limits: httpx.Limits) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)  # never a proxy for a LAN box
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an upstream's error body (OpenAI's, llama.cpp's, FastAPI's or plain text)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:300]
+    err = data.get("error", data.get("detail", data.get("message"))) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return str(err)[:300]
+
+
+async def _events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a server-sent-event stream (`data: {...}` lines); `[DONE]` ends it."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield {"[DONE]": True}
+            return
+        if data:
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                if "error" in event and not event.get("choices"):  # an error after the stream started
+                    raise UpstreamError(f"the upstream reported an error mid-stream: {_error_text(data.encode())}")
+                yield event
+
+
+class _Reader:
+    """One upstream stream's events → the text the doors parse, the finish reason and the usage."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.done = False
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+        self.first_at: float | None = None
+        self.n_pieces = 0
+        self._thinking = False
+        self._calls: dict[int, dict[str, str]] = {}
+
+    def feed(self, event: dict[str, Any]) -> str:
+        if "[DONE]" in event:
+            self.done = True
+            return self._close_reasoning() + self._tool_text()
+        if isinstance(event.get("usage"), dict):
+            self.usage = _usage(event["usage"])
+        if self.kind == "infill":  # llama.cpp's /completion and /infill stream shape
+            text = str(event.get("content") or "")
+            if event.get("stop"):
+                self.done = True
+                self.finish = "length" if event.get("stop_type") == "limit" else "stop"
+                n_in, n_out = event.get("tokens_evaluated"), event.get("tokens_predicted")
+                if isinstance(n_in, int) and isinstance(n_out, int):
+                    cached = event.get("tokens_cached")
+                    self.usage = Usage(n_in, n_out, cached if isinstance(cached, int) else 0)
+            self.n_pieces += bool(text)
+            return text
+        out = ""
+        for choice in event.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                self.finish = "length" if choice["finish_reason"] == "length" else "stop"
+            if self.kind == "completions":
+                out += str(choice.get("text") or "")
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out += ("" if self._thinking else THINK[0]) + str(reasoning)
+                self._thinking = True
+            if delta.get("content"):
+                out += self._close_reasoning() + str(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                self._call(call)
+        self.n_pieces += bool(out)
+        return out
+
+    def _close_reasoning(self) -> str:
+        if not self._thinking:
+            return ""
+        self._thinking = False
+        return THINK[1]
+
+    def _call(self, call: Any) -> None:
+        if not isinstance(call, dict):
+            return
+        entry = self._calls.setdefault(int(call.get("index", len(self._calls)) or 0), {"name": "", "args": ""})
+        fn = call.get("function") or {}
+        entry["name"] += str(fn.get("name") or "")
+        entry["args"] += str(fn.get("arguments") or "")
+
+    def _tool_text(self) -> str:
+        """The calls as Hermes blocks, for the reply parser (written whole once their arguments are in)."""
+        out = ""
+        for _, call in sorted(self._calls.items()):
+            try:
+                args = json.loads(call["args"] or "{}")
+            except ValueError:
+                args = call["args"]
+            out += TOOL[0] + json.dumps({"name": call["name"], "arguments": args}, ensure_ascii=False) + TOOL[1]
+        self._calls.clear()
+        return out
+
+    def timings(self, t0: float) -> Timings:
+        now = time.perf_counter()
+        first = self.first_at or now
+        u = self.usage or Usage(0, self.n_pieces, 0)
+        return Timings(prompt_ms=(first - t0) * 1000, decode_ms=(now - first) * 1000, prompt_tokens=u.prompt_tokens,
+                       cached_tokens=u.cached_tokens, n_decoded=u.completion_tokens)
+
+    def last(self, reason: str | None, t0: float) -> Chunk:
+        tail = self._close_reasoning() + self._tool_text() if reason is None else ""
+        usage = self.usage or Usage(0, self.n_pieces, 0)
+        return Chunk(text=tail, finish_reason=reason or self.finish or "stop", usage=usage, timings=self.timings(t0))
+
+
+def _usage(u: dict[str, Any]) -> Usage:
+    details = u.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
+                 int(cached) if isinstance(cached, int) else 0)

@@ -1,0 +1,368 @@
+"""Remote models (`localllm remote add`): a name served by an upstream OpenAI-compatible server, used through
+every door of localllm. The upstream here is a real second `localllm serve` on a loopback port (the tiny
+model, and the script models THINKER and CALLER of tests/scriptmodel.py): every dialect, streamed and
+whole, must give exactly what the upstream gives when called directly; then the failures (a closed port,
+a wrong or missing key, an upstream that goes silent, one killed mid-stream, one without /infill), that
+cancelling reaches the upstream, what `ps`, /metrics and `list` show, and that the key never shows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from click.testing import CliRunner
+from helpers import TINY, Server, free_port, install, start_server
+from scriptmodel import CALLER, CALLER_CALL, THINKER, THINKER_REPLY, WEATHER_TOOL, make_script_gguf
+from tinymodel import make_tiny_gguf
+
+from localllm.models.remotes import Remotes
+
+KEY = "sk-team-0123456789abcdef"  # the keyed upstream's key; must never show up anywhere
+HI = [{"role": "user", "content": "What is the answer?"}]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The upstream: a real localllm server with the tiny model and the two script models."""
+    root = tmp_path_factory.mktemp("upstream")
+    info, server, thread = start_server(root)
+    for name, script in (("thinker", THINKER), ("caller", CALLER)):
+        install(info.app.state.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """An upstream that wants an API key."""
+    info, server, thread = start_server(tmp_path_factory.mktemp("keyed"), api_key=KEY)
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
+class _Silent:
+    """A loopback port that accepts connections and never answers (an upstream that hangs)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+
+class _NoInfill(BaseHTTPRequestHandler):
+    """An OpenAI-only upstream (as vLLM and SGLang are): no /infill."""
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"detail": "Not Found"}')
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def down(up: Server, keyed: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """localllm with remote models on those upstreams (and on a closed port, a silent one, an OpenAI-only one)."""
+    root = tmp_path_factory.mktemp("down")
+    remotes = Remotes(root / "remotes.json")
+    for name, model in (("team-tiny", TINY), ("team-thinker", "thinker:latest"), ("team-caller", "caller:latest")):
+        remotes.add(name, up.url + "/v1", model)
+    remotes.add("team-keyed", keyed.url + "/v1", TINY, api_key_env="TEAM_TEST_KEY")
+    remotes.add("team-wrongkey", keyed.url + "/v1", TINY, api_key_env="TEAM_TEST_WRONG_KEY")
+    remotes.add("team-nokey", keyed.url + "/v1", TINY)
+    remotes.add("team-closed", f"http://127.0.0.1:{free_port()}/v1", TINY)
+    silent = _Silent()
+    remotes.add("team-silent", f"http://127.0.0.1:{silent.port}/v1", TINY, timeout_s=1.0)
+    openai_only = ThreadingHTTPServer(("127.0.0.1", 0), _NoInfill)
+    threading.Thread(target=openai_only.serve_forever, daemon=True).start()
+    remotes.add("team-vllm", f"http://127.0.0.1:{openai_only.server_address[1]}/v1", "Qwen/Qwen2.5-Coder")
+    os.environ["TEAM_TEST_KEY"] = KEY
+    os.environ["TEAM_TEST_WRONG_KEY"] = "sk-wrong-key-000"
+    info, server, thread = start_server(root, remotes=remotes)
+    yield info
+    server.should_exit = True
+    thread.join(timeout=20)
+    openai_only.shutdown()
+    silent.sock.close()
+
+
+def oa(srv: Server, key: str = "x") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24}
+
+
+# ---- every dialect gives what the upstream gives ---------------------------------------------------------
+def test_openai_chat_whole_and_streamed(up: Server, down: Server) -> None:
+    direct = oa(up).chat.completions.create(model=TINY, messages=HI, **GREEDY)
+    remote = oa(down).chat.completions.create(model="team-tiny", messages=HI, **GREEDY)
+    assert remote.choices[0].message.content == direct.choices[0].message.content
+    assert remote.choices[0].finish_reason == direct.choices[0].finish_reason == "length"
+    assert (remote.usage.prompt_tokens, remote.usage.completion_tokens) == \
+        (direct.usage.prompt_tokens, direct.usage.completion_tokens)
+    pieces, usage = [], None
+    for event in oa(down).chat.completions.create(model="team-tiny", messages=HI, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY):
+        pieces += [c.delta.content for c in event.choices if c.delta.content]
+        usage = event.usage or usage
+    assert len(pieces) > 1  # passed through piece by piece, not collected first
+    assert "".join(pieces) == direct.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == direct.usage.completion_tokens
+
+
+def test_openai_completions_and_responses(up: Server, down: Server) -> None:
+    direct = oa(up).completions.create(model=TINY, prompt="Once upon a time", **GREEDY)
+    remote = oa(down).completions.create(model="team-tiny", prompt="Once upon a time", **GREEDY)
+    assert remote.choices[0].text == direct.choices[0].text and remote.choices[0].text
+    r_direct = oa(up).responses.create(model=TINY, input="Hello", temperature=0, max_output_tokens=16)
+    r_remote = oa(down).responses.create(model="team-tiny", input="Hello", temperature=0, max_output_tokens=16)
+    assert r_remote.output_text == r_direct.output_text and r_remote.output_text
+
+
+def test_anthropic_thinking_and_tool_use(up: Server, down: Server) -> None:
+    thought, answer = THINKER_REPLY
+    on = {"type": "enabled", "budget_tokens": 1024}
+    a = anthropic.Anthropic(base_url=down.url, api_key="x", max_retries=0, timeout=60)
+    m = a.messages.create(model="team-thinker", max_tokens=100, messages=HI, thinking=on)
+    kinds = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content]
+    assert kinds == [("thinking", thought), ("text", answer)] and m.stop_reason == "end_turn"
+    with a.messages.stream(model="team-thinker", max_tokens=100, messages=HI, thinking=on) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude_none=True) for b in final.content] == \
+        [b.model_dump(exclude_none=True) for b in m.content]
+    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    call = a.messages.create(model="team-caller", max_tokens=100, messages=HI, tools=[tool])
+    assert call.stop_reason == "tool_use"
+    use = call.content[-1]
+    assert (use.type, use.name, use.input) == ("tool_use", CALLER_CALL[0], json.loads(CALLER_CALL[1]))
+
+
+def test_openai_tool_call_round_trip(up: Server, down: Server) -> None:
+    direct = oa(up).chat.completions.create(model="caller", messages=HI, tools=[WEATHER_TOOL], temperature=0)
+    remote = oa(down).chat.completions.create(model="team-caller", messages=HI, tools=[WEATHER_TOOL], temperature=0)
+    d, r = direct.choices[0].message.tool_calls[0], remote.choices[0].message.tool_calls[0]
+    assert (r.function.name, json.loads(r.function.arguments)) == (d.function.name, json.loads(d.function.arguments))
+    assert remote.choices[0].finish_reason == "tool_calls"
+    # the call and its result go back upstream (ids, arguments as JSON text) and the model answers
+    convo = [*HI, remote.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": r.id, "content": "18 C"}]
+    again = oa(down).chat.completions.create(model="team-thinker", messages=convo, temperature=0)
+    assert again.choices[0].message.content == THINKER_REPLY[1]
+
+
+def test_ollama_chat_and_generate(up: Server, down: Server) -> None:
+    opts = {"temperature": 0, "num_predict": 24}
+    direct = ollama.Client(host=up.url, timeout=60).chat(model=TINY, messages=HI, options=opts)
+    client = ollama.Client(host=down.url, timeout=60)
+    remote = client.chat(model="team-tiny", messages=HI, options=opts)
+    assert remote.message.content == direct.message.content and remote.message.content
+    assert (remote.prompt_eval_count, remote.eval_count) == (direct.prompt_eval_count, direct.eval_count)
+    streamed = "".join(p.message.content for p in client.chat(model="team-tiny", messages=HI, options=opts, stream=True))
+    assert streamed == direct.message.content
+    think = client.chat(model="team-thinker", messages=HI, think=True)
+    assert (think.message.thinking, think.message.content) == THINKER_REPLY
+    raw_direct = ollama.Client(host=up.url, timeout=60).generate(model=TINY, prompt="abc", raw=True, options=opts)
+    raw_remote = client.generate(model="team-tiny", prompt="abc", raw=True, options=opts)
+    assert raw_remote.response == raw_direct.response and raw_remote.response
+
+
+def test_llamacpp_infill_and_completion(up: Server, down: Server) -> None:
+    body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "n_predict": 16,
+            "temperature": 0, "input_extra": [{"filename": "util.py", "text": "import math\n"}]}
+    direct = httpx.post(up.url + "/infill", json={**body, "model": TINY}, timeout=60).json()
+    remote = httpx.post(down.url + "/infill", json={**body, "model": "team-tiny"}, timeout=60).json()
+    assert remote["content"] == direct["content"] and remote["content"]
+    assert remote["tokens_predicted"] == direct["tokens_predicted"]
+    with httpx.stream("POST", down.url + "/infill", json={**body, "model": "team-tiny", "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e.get("content", "") for e in events) == direct["content"] and events[-1]["stop"]
+    comp = {"prompt": "Once upon a time", "n_predict": 16, "temperature": 0}
+    d = httpx.post(up.url + "/completion", json={**comp, "model": TINY}, timeout=60).json()
+    r2 = httpx.post(down.url + "/completion", json={**comp, "model": "team-tiny"}, timeout=60).json()
+    assert r2["content"] == d["content"] and r2["content"]
+
+
+def test_what_cannot_go_upstream_is_a_clear_400(down: Server) -> None:
+    r = httpx.post(down.url + "/infill", json={"model": "team-vllm", "input_prefix": "a", "input_suffix": "b"})
+    assert r.status_code == 400 and "has no /infill" in r.text and "team-vllm" in r.text
+    r = httpx.post(down.url + "/completion", json={"model": "team-tiny", "prompt": [1, 2, 3]})
+    assert r.status_code == 400 and "token ids" in r.text
+    r = httpx.post(down.url + "/tokenize", json={"model": "team-tiny", "content": "hello"})
+    assert r.status_code == 400 and "remote model" in r.text
+    r = httpx.post(down.url + "/v1/chat/completions", json={"model": "team-tiny", "messages": HI, "logprobs": True,
+                                                            "top_logprobs": 2})
+    assert r.status_code == 400 and "probabilities" in r.text
+
+
+# ---- failures name the upstream, never hang, never show the key -------------------------------------------
+def test_unreachable_upstream(down: Server) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        oa(down).chat.completions.create(model="team-closed", messages=HI, max_tokens=4)
+    assert err.value.status_code == 502 and time.monotonic() - t0 < 10
+    assert "cannot reach the upstream of team-closed:latest at http://127.0.0.1:" in err.value.message
+    r = httpx.post(down.url + "/api/chat", json={"model": "team-closed", "messages": HI, "stream": True})
+    assert r.status_code == 502 and "cannot reach" in r.json()["error"]
+
+
+def test_silent_upstream_times_out(down: Server) -> None:
+    t0 = time.monotonic()
+    r = httpx.post(down.url + "/v1/chat/completions", json={"model": "team-silent", "messages": HI}, timeout=30)
+    assert r.status_code == 504 and "sent nothing for 1 s" in r.text and time.monotonic() - t0 < 10
+
+
+def test_keys(keyed: Server, down: Server, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    ok = oa(down).chat.completions.create(model="team-keyed", messages=HI, **GREEDY)
+    assert ok.choices[0].message.content == oa(keyed, KEY).chat.completions.create(
+        model=TINY, messages=HI, **GREEDY).choices[0].message.content
+    for name in ("team-wrongkey", "team-nokey"):
+        r = httpx.post(down.url + "/v1/chat/completions", json={"model": name, "messages": HI})
+        assert r.status_code == 502 and "refused the API key (401" in r.text, r.text
+        assert KEY not in r.text and "sk-wrong-key-000" not in r.text
+    r = httpx.post(down.url + "/v1/chat/completions", json={"model": "team-wrongkey", "messages": HI})
+    assert "TEAM_TEST_WRONG_KEY" in r.text  # says which variable to fix
+    for view in (httpx.get(down.url + "/api/tags").text, httpx.get(down.url + "/api/ps").text,
+                 httpx.get(down.url + "/metrics").text, httpx.get(down.url + "/v1/models").text,
+                 caplog.text, (down.root / "remotes.json").read_text()):
+        assert KEY not in view and "sk-wrong-key-000" not in view
+
+
+def test_upstream_killed_mid_stream(tmp_path: Path, down: Server) -> None:
+    """A real `localllm serve` upstream, killed (SIGKILL) while it streams: the client gets an error that
+    names the upstream in its own dialect, at once."""
+    home = tmp_path / "killed"
+    from localllm.models.store import Store
+
+    install(Store(home / "data" / "models"), make_tiny_gguf(tmp_path / "tiny.gguf"), TINY)
+    port = free_port()
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_PROMPT_CACHE_DISK_BYTES": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--port", str(port), "--ctx-size", "8192",
+                             "--slots", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        down.app.state.remotes.add("team-doomed", f"http://127.0.0.1:{port}/v1", TINY, replace=True)
+        body = {"model": "team-doomed", "messages": HI, "stream": True, "max_tokens": 30000, "ignore_eos": True}
+        got, t_kill = [], 0.0
+        with httpx.stream("POST", down.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                got.append(line)
+                if len(got) == 20:
+                    proc.send_signal(signal.SIGKILL)
+                    t_kill = time.monotonic()
+        assert time.monotonic() - t_kill < 10
+        errors = [json.loads(g[6:]) for g in got if g.startswith("data: {") and '"error"' in g]
+        assert errors and "team-doomed" in errors[-1]["error"]["message"], got[-3:]
+        assert "broke off" in errors[-1]["error"]["message"] or "closed the stream" in errors[-1]["error"]["message"]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_cancel_reaches_the_upstream(up: Server, down: Server) -> None:
+    def predicted() -> float:
+        for line in httpx.get(up.url + "/metrics").text.splitlines():
+            if line.startswith("llamacpp:tokens_predicted_total"):
+                return float(line.split()[-1])
+        raise AssertionError("no tokens_predicted_total")
+
+    before = predicted()
+    body = {"model": "team-tiny", "messages": HI, "stream": True, "max_tokens": 4000, "ignore_eos": True}
+    with httpx.stream("POST", down.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 10:
+                break  # the client hangs up
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(m["busy"] for m in up.pool.loaded()):
+        time.sleep(0.02)
+    assert not any(m["busy"] for m in up.pool.loaded())
+    assert predicted() - before < 4000  # the upstream stopped: it did not write the whole answer
+
+
+# ---- what localllm shows about remote models --------------------------------------------------------------
+def test_ps_metrics_tags(up: Server, down: Server) -> None:
+    oa(down).chat.completions.create(model="team-tiny", messages=HI, max_tokens=4)
+    ps = {m["name"]: m for m in httpx.get(down.url + "/api/ps").json()["models"]}
+    entry = ps["team-tiny:latest"]
+    assert entry["remote"]["url"] == up.url + "/v1" and entry["remote"]["requests"] >= 1
+    assert entry["remote"]["ttft_ms_p50"] > 0 and entry["size"] == 0
+    metrics = httpx.get(down.url + "/metrics").text
+    assert f'localllm:remote_requests_total{{model="team-tiny:latest",upstream="{up.url}/v1"}}' in metrics
+    assert "localllm:remote_ttft_ms_p50{" in metrics
+    tags = {m["name"]: m for m in httpx.get(down.url + "/api/tags").json()["models"]}
+    assert tags["team-tiny:latest"]["details"]["format"] == "remote"
+    assert "team-tiny:latest" in {m.id for m in oa(down).models.list().data}
+    show = httpx.post(down.url + "/api/show", json={"model": "team-tiny"}).json()
+    assert show["remote_host"] == up.url + "/v1" and show["remote_model"] == TINY
+    # /props and /slots stay about the local models
+    assert httpx.get(down.url + "/props").status_code == 200
+
+
+# ---- the command line ---------------------------------------------------------------------------------------
+def test_cli_add_list_run_rm(up: Server) -> None:
+    from localllm.cli import cli
+
+    run = CliRunner()
+    res = run.invoke(cli, ["remote", "add", "lab:tiny", "--url", up.url + "/v1/", "--model", TINY,
+                           "--api-key-env", "LAB_KEY"])
+    assert res.exit_code == 0, res.output
+    assert f"added lab:tiny → {TINY} at {up.url}/v1, key from $LAB_KEY" in res.output
+    listing = run.invoke(cli, ["list"]).output
+    assert "lab:tiny" in listing and up.url + "/v1" in listing
+    rows = json.loads(run.invoke(cli, ["list", "--json"]).output)
+    assert {"name": "lab:tiny", "url": up.url + "/v1", "model": TINY, "api_key_env": "LAB_KEY"}.items() <= \
+        next(r for r in rows if r["name"] == "lab:tiny").items()
+    direct = oa(up).chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hello"}],
+                                            temperature=0, max_tokens=12).choices[0].message.content
+    out = run.invoke(cli, ["run", "lab:tiny", "hello", "--no-server", "--temperature", "0", "--max-tokens", "12"])
+    assert out.exit_code == 0 and out.output == direct + "\n"
+    for bad, why in ((["--url", "ftp://x/v1", "--model", "m"], "not an http(s) URL"),
+                     (["--url", "http://u:p@h/v1", "--model", "m"], "must not carry a user or password"),
+                     (["--url", "http://h/v1", "--model", "m", "--api-key-env", "sk-abc def"],
+                      "not an environment variable name")):
+        res = run.invoke(cli, ["remote", "add", "lab:bad", *bad])
+        assert res.exit_code != 0 and why in str(res.exception or res.output), res.output
+    dup = run.invoke(cli, ["remote", "add", "lab:tiny", "--url", up.url + "/v1", "--model", TINY])
+    assert dup.exit_code != 0 and "exists already" in str(dup.exception)
+    assert run.invoke(cli, ["rm", "lab:tiny"]).output == "deleted remote 'lab:tiny'\n"
+    assert "lab:tiny" not in run.invoke(cli, ["list"]).output
