@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Rebuild the installed llama-cpp-python (pinned to localllm's version) with one llama.cpp backend.
 #
-#   bash native/build.sh cpu|portable|cuda|metal|vulkan|rocm|dl [--dry-run]
+#   bash native/build.sh cpu|portable|cuda|metal|vulkan|rocm|dl|rpc [--dry-run]
 #
+# rpc: the CPU build plus llama.cpp's RPC backend (`localllm worker`, `serve --rpc`); for a GPU build with
+# RPC, add it to that backend: EXTRA_CMAKE_ARGS=-DGGML_RPC=on bash native/build.sh cuda
 # Uses the python of the active virtualenv ($PYTHON overrides). Extra CMake flags: EXTRA_CMAKE_ARGS.
 # CUDA architectures: CUDA_ARCHS (default "native" = the GPUs in this machine; e.g. "86;89;90").
 # ROCm targets: AMDGPU_TARGETS (e.g. gfx1100). A build takes ~6 min on 2 cores for CPU, longer for GPUs.
@@ -21,8 +23,9 @@ case "$backend" in
   vulkan)   flags="-DGGML_VULKAN=on" ;;
   rocm|hip) flags="-DGGML_HIP=on${AMDGPU_TARGETS:+ -DAMDGPU_TARGETS=$AMDGPU_TARGETS}" ;;
   dl)       flags="-DGGML_BACKEND_DL=on -DGGML_CPU_ALL_VARIANTS=on -DGGML_NATIVE=off" ;;
+  rpc)      flags="-DGGML_NATIVE=on -DGGML_RPC=on" ;;                 # + workers over TCP (localllm worker)
   *)
-    echo "usage: $0 cpu|portable|cuda|metal|vulkan|rocm|dl [--dry-run]" >&2
+    echo "usage: $0 cpu|portable|cuda|metal|vulkan|rocm|dl|rpc [--dry-run]" >&2
     exit 2 ;;
 esac
 flags="$flags${EXTRA_CMAKE_ARGS:+ $EXTRA_CMAKE_ARGS}"

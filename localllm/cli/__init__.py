@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "dequantize": ("localllm.cli.quantize", "dequantize", "Write an F16 copy of a quantized model into the store."),
     "doctor": ("localllm.cli.doctor", "doctor", "Check the llama.cpp build against this machine's GPUs."),
     "remote": ("localllm.cli.remotes", "remote", "Add, list or remove models served by another server (vLLM, llama-server…)."),
+    "worker": ("localllm.cli.worker", "worker", "Serve this machine's GPU/CPU to `serve --rpc` (llama.cpp RPC)."),
     "eval": ("localllm.cli.eval", "eval_", "Measure model quality (eval ppl: perplexity over a text)."),
 }
 

@@ -57,8 +57,25 @@ def _check_template(value: Any) -> None:
         raise ValueError(f"{path} is not a usable chat template: {why}") from None
 
 
+def _check_rpc_syntax(value: str) -> None:
+    from localllm.runtime.rpc import parse_endpoints
+
+    if not parse_endpoints(value):
+        raise ValueError("give at least one RPC worker as host:port")
+
+
+def _check_rpc(value: str) -> None:
+    """At start: the build must have RPC; the security stance is said once (README: "When one machine is not enough")."""
+    from localllm.cli.worker import SECURITY
+    from localllm.runtime import rpc
+
+    rpc.require()
+    click.secho(f"warning: models load with layers on RPC workers {value}. {SECURITY}", fg="yellow", err=True)
+
+
 SERVE_CHECKS: dict[str, Callable[[Any], None]] = {**SETTING_CHECKS, "model": _check_model,
-                                                  "n_predict": _check_n_predict, "chat_template": _check_template}
+                                                  "n_predict": _check_n_predict, "chat_template": _check_template,
+                                                  "rpc": _check_rpc_syntax}
 
 
 def _flag_check(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
@@ -133,9 +150,14 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 @click.option("--chat-template", type=Setting("chat_template"), callback=_flag_check("chat_template"),
               help="Chat template for every model instead of its own: a built-in name (chatml, gemma, llama3, "
               "mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
+@click.option("--rpc", type=Setting("rpc"), callback=_flag_check("rpc"), metavar="HOST:PORT[,HOST:PORT...]",
+              help="Split every model's offloaded layers over these llama.cpp RPC workers (`localllm worker`); "
+              "needs a build with RPC (bash native/build.sh rpc). Unauthenticated: loopback or a trusted "
+              "network only (LOCALLLM_RPC).")
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
           draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None, slots: int | None,
-          n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None) -> None:
+          n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None,
+          rpc: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -150,7 +172,9 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     # every setting is checked here, before the server is imported, built or bound
     settings = _settings(host, port, draft=draft, lookup=lookup, lookup_auto=False if lookup is False else None, draft_max=draft_max, cpu_kernels=cpu_kernels,
                          model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
-                         chat_template=chat_template)
+                         chat_template=chat_template, rpc=rpc)
+    if settings.rpc:
+        _check_rpc(settings.rpc)
 
     import uvicorn
 

@@ -24,15 +24,35 @@ MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 
 def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
                   gpu_layers: int | None = None, kv_type: str | None = None,
-                  cpu_kernels: str | None = None) -> tuple[dict[str, Any], Any]:
+                  cpu_kernels: str | None = None, rpc: str | None = None) -> tuple[dict[str, Any], Any]:
     """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
     every value the caller gives overrides the plan's choice. cpu_kernels: the setting, passed through
-    (the engine resolves "auto" with machine/kernels.py where the model loads)."""
+    (the engine resolves "auto" with machine/kernels.py where the model loads). rpc: llama.cpp RPC
+    workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory."""
     from localllm.machine.fit import plan_fit
 
+    devices, extra = None, {}
+    if rpc:
+        devices, extra = rpc_devices(rpc)
     plan = plan_fit(info, **({"slots": slots} if slots else {}), want_ctx=ctx, gpu_layers=gpu_layers,
-                    kv_type=kv_type, threads=threads)
-    return {**plan.engine_kwargs(), **({"cpu_kernels": cpu_kernels} if cpu_kernels else {})}, plan
+                    kv_type=kv_type, threads=threads, devices=devices)
+    return {**plan.engine_kwargs(), **({"cpu_kernels": cpu_kernels} if cpu_kernels else {}), **extra}, plan
+
+
+def rpc_devices(rpc: str) -> tuple[list[Any], dict[str, Any]]:
+    """(the devices the fit plan sees, the engine's `rpc` kwarg): this machine's CPU, and its GPUs and the
+    workers as one GPU with their free memory summed (llama.cpp splits the offloaded layers by free memory)."""
+    from localllm.machine.probe import Device, detect_devices
+    from localllm.runtime import rpc as rpc_mod
+
+    endpoints = rpc_mod.parse_endpoints(rpc)
+    workers = rpc_mod.workers(endpoints)
+    local = detect_devices()
+    gpus = [d for d in local if d.kind == "gpu"]
+    pooled = Device(f"{len(gpus)} GPU(s) + RPC {','.join(endpoints)}", "gpu",
+                    sum(d.total_bytes for d in gpus) + sum(w.total_bytes for w in workers),
+                    sum(d.free_bytes for d in gpus) + sum(w.free_bytes for w in workers))
+    return [*(d for d in local if d.kind != "gpu"), pooled], {"rpc": endpoints}
 
 
 def details(info: Any) -> dict[str, Any]:
@@ -178,7 +198,8 @@ class Composer:
               n_batch: int | None, digest: str = "") -> dict[str, Any]:
         s = self.settings
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
-                                 kv_type=s.kv_type, cpu_kernels=getattr(s, "cpu_kernels", None))
+                                 kv_type=s.kv_type, cpu_kernels=getattr(s, "cpu_kernels", None),
+                                 rpc=getattr(s, "rpc", None))
         kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch

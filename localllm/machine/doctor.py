@@ -132,6 +132,11 @@ def diagnose(build: dict[str, Any], facts: MachineFacts) -> list[Finding]:
             out.append(Finding("ok", "CPU: no GPU found and the build is CPU-only, which matches"))
     if build.get("gpu_offload") is False and have:
         out.append(Finding("warn", "the build has a GPU backend but reports no GPU offload (driver or device missing?)"))
+    if build.get("rpc"):
+        out.append(Finding("info", "RPC: the build has llama.cpp's RPC backend (localllm worker, serve --rpc)"))
+    elif "rpc" in build:
+        out.append(Finding("info", "RPC: the build has no RPC backend; `localllm worker` and `serve --rpc` need "
+                                   "one", "bash native/build.sh rpc"))
     return out
 
 

@@ -88,6 +88,12 @@ def build_info() -> dict[str, Any]:
         info["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
     except Exception:  # noqa: BLE001, S110
         pass
+    try:  # llama.cpp RPC workers (localllm worker, serve --rpc) need a build with GGML_RPC
+        from localllm.runtime.rpc import available
+
+        info["rpc"] = available()
+    except Exception:  # noqa: BLE001
+        info["rpc"] = False
     try:
         info["devices"], info["backends"], info["error"] = _devices()
     except Exception as exc:  # noqa: BLE001

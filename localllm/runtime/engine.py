@@ -56,10 +56,11 @@ class Engine:
                  kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
-                 disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None) -> None:
+                 disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
+                 rpc: list[str] | None = None) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels)
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
         n_batch = max(n_batch, slots)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,

@@ -22,6 +22,7 @@ import numpy as np
 
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
 from localllm.runtime import cpu_guard
+from localllm.runtime import rpc as rpc_workers
 
 # Placeholders for image/audio/video input in multimodal vocabularies (Gemma 3, Qwen2-VL, Llava, …). This
 # runtime feeds text only, so they can never be right output: a base gemma-3-270m asked "Write a haiku
@@ -114,7 +115,7 @@ class Model:
     "none"; `self.cpu_kernels` is the mode in effect and `self.cpu_kernels_reason` says why."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 cpu_kernels: str = "auto") -> None:
+                 cpu_kernels: str = "auto", rpc: list[str] | None = None) -> None:
         init_backend()
         self.path = Path(path)
         if not self.path.is_file():
@@ -126,6 +127,8 @@ class Model:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers = int(n_gpu_layers)
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if use_mmap else lc.LLAMA_LOAD_MODE_NONE
+        self._devices = rpc_workers.devices(rpc) if rpc else None  # offload to RPC workers; kept past the load
+        params.devices = ctypes.cast(self._devices, ctypes.c_void_p) if rpc else params.devices
         self.cpu_kernels, self.cpu_kernels_reason = cpu_guard.start_load(choice.mode, choice.reason)
         params.use_extra_bufts = self.cpu_kernels != "none"
         self._p = lc.llama_model_load_from_file(str(self.path).encode(), params)
