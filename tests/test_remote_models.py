@@ -320,7 +320,7 @@ def test_cancel_reaches_the_upstream(up: Server, down: Server) -> None:
 
 
 # ---- what localllm shows about remote models --------------------------------------------------------------
-def test_ps_metrics_tags(up: Server, down: Server) -> None:
+def test_ps_metrics_tags(up: Server, down: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     oa(down).chat.completions.create(model="team-tiny", messages=HI, max_tokens=4)
     ps = {m["name"]: m for m in httpx.get(down.url + "/api/ps").json()["models"]}
     entry = ps["team-tiny:latest"]
@@ -336,6 +336,11 @@ def test_ps_metrics_tags(up: Server, down: Server) -> None:
     assert show["remote_host"] == up.url + "/v1" and show["remote_model"] == TINY
     # /props and /slots stay about the local models
     assert httpx.get(down.url + "/props").status_code == 200
+    from localllm.cli import cli
+
+    monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{down.port}")
+    row = next(line for line in CliRunner().invoke(cli, ["ps"]).output.splitlines() if "team-tiny" in line)
+    assert " remote " in row and f"{up.url}/v1 (TTFT p50 " in row
 
 
 # ---- the command line ---------------------------------------------------------------------------------------
@@ -366,3 +371,51 @@ def test_cli_add_list_run_rm(up: Server) -> None:
     assert dup.exit_code != 0 and "exists already" in str(dup.exception)
     assert run.invoke(cli, ["rm", "lab:tiny"]).output == "deleted remote 'lab:tiny'\n"
     assert "lab:tiny" not in run.invoke(cli, ["list"]).output
+
+
+# ---- llama-cpp-python's own OpenAI server as the upstream (where its extras are installed) -------------------
+def _has_llama_cpp_server() -> bool:
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_llama_cpp_server(), reason="llama-cpp-python's server extras are not installed "
+                    "(pip install sse-starlette starlette-context pydantic-settings)")
+def test_llama_cpp_python_server_upstream(tmp_path: Path, down: Server) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(make_tiny_gguf(tmp_path / "t.gguf")),
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", "1",
+                             "--model_alias", "tiny-lcp"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(base + "/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        down.app.state.remotes.add("team-lcp", base, "tiny-lcp", replace=True)
+        direct = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=60)
+        body = {"messages": HI, "temperature": 0, "max_tokens": 16}
+        want = direct.chat.completions.create(model="tiny-lcp", **body)
+        got = oa(down).chat.completions.create(model="team-lcp", **body)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        # this upstream streams no usage (it ignores stream_options): localllm counts the pieces it got and
+        # reports no prompt tokens rather than inventing them (README: "When one machine is not enough")
+        assert got.usage.prompt_tokens == 0 and 0 < got.usage.completion_tokens <= want.usage.completion_tokens
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           oa(down).chat.completions.create(model="team-lcp", stream=True, **body) if c.choices)
+        assert streamed == want.choices[0].message.content
+        plain = direct.completions.create(model="tiny-lcp", prompt="Once upon", temperature=0, max_tokens=12)
+        via = ollama.Client(host=down.url, timeout=60).generate(model="team-lcp", prompt="Once upon", raw=True,
+                                                                 options={"temperature": 0, "num_predict": 12})
+        assert via.response == plain.choices[0].text
+        r = httpx.post(down.url + "/infill", json={"model": "team-lcp", "input_prefix": "a", "input_suffix": "b"})
+        assert r.status_code == 400 and "has no /infill" in r.text  # llama-cpp-python's server has none
+    finally:
+        proc.kill()
+        proc.wait(10)

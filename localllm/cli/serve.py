@@ -245,6 +245,12 @@ def ps(as_json: bool) -> None:
             until = datetime.fromisoformat(until.replace("Z", "+00:00")).astimezone().strftime("%Y-%m-%d %H:%M:%S")
         except ValueError:
             pass
+        remote = m.get("remote")
+        if isinstance(remote, dict):  # served by an upstream: where, and its time to first token through here
+            ttft = remote.get("ttft_ms_p50")
+            rows.append((m["name"], "-", "remote", "", until,
+                         f"{remote.get('url', '')}" + (f" (TTFT p50 {ttft:.0f} ms)" if ttft is not None else "")))
+            continue
         rows.append((m["name"], _fmt_size(m.get("size", 0)), processor(m.get("size", 0), m.get("size_vram", 0)),
                      str(m.get("context_length") or ""), until, _runner(m.get("runner"))))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import statistics
@@ -74,11 +75,9 @@ class RemoteEngine:
 
     def __init__(self, _path: Any = None, *, remote: Any, **_: Any) -> None:  # the pool's factory call
         self.remote = remote
-        self._loop = _Loop.get()
-        timeout = httpx.Timeout(remote.timeout_s, connect=min(CONNECT_TIMEOUT_S, remote.timeout_s))
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
-        self._client: httpx.AsyncClient = asyncio.run_coroutine_threadsafe(
-            _client(timeout, limits), self._loop).result()
+        # one connection pool per event loop: the server's own (asubmit: no thread between the request and
+        # the upstream), or a background loop for blocking callers (submit: `run`, the chat UI)
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._lock = threading.Lock()
         self._active = 0
         self._requests = self._errors = 0
@@ -87,6 +86,27 @@ class RemoteEngine:
 
     # ---- the pool's and the doors' side -----------------------------------------------------------------
     def submit(self, req: Request) -> Stream:
+        stream, started = self._start(req, _Loop.get())
+        try:
+            started.result()  # the upstream's status line, or why there is none
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    async def asubmit(self, req: Request) -> Stream:
+        """submit() for an event loop: waits for the upstream's status line without a worker thread."""
+        stream, started = self._start(req, asyncio.get_running_loop())
+        try:
+            await asyncio.wrap_future(started)
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    light_build = True  # building a request is a few dicts: no worker thread needed (server.lifecycle)
+
+    def _start(self, req: Request, loop: asyncio.AbstractEventLoop) -> tuple[Stream, concurrent.futures.Future[None]]:
         call = req.upstream
         if not isinstance(call, UpstreamCall):
             raise InvalidInput(f"{self.remote.name} is a remote model: its requests are built by compose.remote_requests")
@@ -97,13 +117,22 @@ class RemoteEngine:
         with self._lock:
             self._active += 1
             self._requests += 1
-        task = asyncio.run_coroutine_threadsafe(self._run(call, state, started), self._loop)
-        try:
-            started.result()  # the upstream's status line, or why there is none
-        except BaseException:
-            task.cancel()
-            raise
-        return Stream(state, req.id, wake=task.cancel)
+        with self._lock:
+            client = self._clients.get(loop)
+            if client is None:
+                timeout = httpx.Timeout(self.remote.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.remote.timeout_s))
+                limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+                client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        coro = self._run(client, call, state, started)
+        if loop is _Loop.get():
+            task: Any = asyncio.run_coroutine_threadsafe(coro, loop)
+            wake = task.cancel
+        else:  # the caller's own loop (we are on it)
+            task = loop.create_task(coro)
+            wake = lambda: loop.call_soon_threadsafe(task.cancel)  # a cancel may come from any thread
+        stream = Stream(state, req.id, wake=wake)
+        stream.forwards = True  # the upstream's loop hands each chunk to the reader's loop directly
+        return stream, started
 
     def idle(self) -> bool:
         with self._lock:
@@ -133,8 +162,12 @@ class RemoteEngine:
 
     def close(self) -> None:
         self._closed = True
-        if not self._loop.is_closed():
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop)
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for loop, client in clients.items():
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # a loop that stopped meanwhile closes its sockets itself
+                    asyncio.run_coroutine_threadsafe(client.aclose(), loop)
 
     # ---- the upstream call --------------------------------------------------------------------------------
     def _url(self, kind: str) -> str:
@@ -147,7 +180,8 @@ class RemoteEngine:
     def _where(self) -> str:
         return f"the upstream of {self.remote.name} at {self.remote.url}"
 
-    async def _run(self, call: UpstreamCall, state: StreamState, started: concurrent.futures.Future[None]) -> None:
+    async def _run(self, client: httpx.AsyncClient, call: UpstreamCall, state: StreamState,
+                   started: concurrent.futures.Future[None]) -> None:
         t0 = time.perf_counter()
         reader = _Reader(call.kind)
         headers = {"Accept": "text/event-stream"}
@@ -155,13 +189,15 @@ class RemoteEngine:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         try:
-            async with self._client.stream("POST", self._url(call.kind), json=call.body, headers=headers) as resp:
+            async with client.stream("POST", self._url(call.kind), json=call.body, headers=headers) as resp:
                 if resp.status_code >= 400:
                     raise self._status_error(call.kind, resp.status_code, (await resp.aread())[:2000])
                 started.set_result(None)
                 async for event in _events(resp):
                     if state.cancelled.is_set():
                         break
+                    if reader.done:  # read to the end, so the connection goes back to the pool
+                        continue
                     text = reader.feed(event)
                     if text:
                         if reader.first_at is None:
@@ -170,23 +206,22 @@ class RemoteEngine:
                                 self._ttft.append((reader.first_at - t0) * 1000)
                         state.put(Chunk(text=text))
                     if reader.done:
-                        break
-            if state.cancelled.is_set():
+                        state.put(reader.last(None, t0))  # the reader is told at once
+            if state.cancelled.is_set() and not reader.done:
                 state.put(reader.last("cancelled", t0))
             elif not reader.done:
                 raise UpstreamError(f"{self._where()} closed the stream before the answer ended",
                                     "the upstream may have restarted; retry the request")
-            else:
-                state.put(reader.last(None, t0))
         except asyncio.CancelledError:
-            state.put(reader.last("cancelled", t0))  # the reader sees the end; the connection is closed
+            if not reader.done:
+                state.put(reader.last("cancelled", t0))  # the reader sees the end; the connection is closed
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the request, never the loop
             err = exc if isinstance(exc, (UpstreamError, InvalidInput)) else self._transport_error(exc)
             with self._lock:
-                self._errors += 1
+                self._errors += not reader.done
             if not started.done():
                 started.set_exception(err)
-            else:
+            elif not reader.done:  # (a failure after the answer ended costs the reader nothing)
                 state.put(Chunk(finish_reason="error", error=err, timings=reader.timings(t0)))
         finally:
             with self._lock:
@@ -229,10 +264,6 @@ class RemoteEngine:
         return UpstreamError(f"{self._where()} failed ({exc.__class__.__name__}: {what})")
 
 
-async def _client(timeout: httpx.Timeout, limits: httpx.Limits) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)  # never a proxy for a LAN box
-
-
 def _error_text(body: bytes) -> str:
     """The message of an upstream's error body (OpenAI's, llama.cpp's, FastAPI's or plain text)."""
     try:
@@ -253,7 +284,7 @@ async def _events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             yield {"[DONE]": True}
-            return
+            continue  # the caller reads on to the body's end (a connection read to its end is reused)
         if data:
             try:
                 event = json.loads(data)

@@ -53,7 +53,7 @@ class RemoteBuilder:
                 body["tool_choice"] = (choice if isinstance(choice, str)
                                        else {"type": "function", "function": {"name": choice["name"]}})
         req = self._request("chat", body, options)
-        req.reply = ReplyFormat(think=THINK, tools="hermes" if tools and choice != "none" else None)
+        req.reply = ReplyFormat(think=THINK, tools="hermes" if tools and choice != "none" else None, marked=True)
         return req
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,

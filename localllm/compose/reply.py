@@ -42,6 +42,9 @@ class ReplyFormat:
     in_reasoning: bool = False
     tools: str | None = None
     budget: int | None = None
+    # a remote model's reply (compose.remote): its upstream split reasoning and calls off already and they
+    # arrive only as whole markers written here, so nothing is held back or guessed from the text
+    marked: bool = False
 
 
 def think_markers(template: str | None) -> tuple[str, str] | None:
@@ -265,7 +268,7 @@ class ReplyParser:
                 self._closer, self._list = (HERMES[1], False) if m == HERMES[0] else ("", True)
                 self._opened = False
                 return out
-        keep = 0 if final else _held(self.buf, markers)
+        keep = 0 if final or self.fmt.marked else _held(self.buf, markers)
         out = self._emit("content", self.buf[:len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep:]
         if out:
@@ -276,6 +279,11 @@ class ReplyParser:
         """At the start of the reply: does a reasoning block or a bare call begin here? None: cannot
         tell yet; True: the mode changed."""
         b = self.buf.lstrip()
+        if self.fmt.marked:
+            if self.fmt.think and not self.reasoning and b.startswith(self.fmt.think[0]):
+                self.buf, self.mode, self._lead, self._fresh = b[len(self.fmt.think[0]):], "reasoning", True, True
+                return True
+            return False  # a call's marker is found by _content like anywhere else
         if self.fmt.think and not self.reasoning:
             open_ = self.fmt.think[0]
             if b.startswith(open_):

@@ -50,6 +50,8 @@ class Stream:
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return achunks(self)
 
+    forwards = False  # achunks may take chunks through forward() on the producer's thread (no pump thread)
+
     def cancel(self) -> None:
         self._state.cancelled.set()
         self._wake()
@@ -93,7 +95,15 @@ async def achunks(stream: Any) -> AsyncIterator[Chunk]:
         finally:
             put(_END)
 
-    threading.Thread(target=pump, name="localllm-stream", daemon=True).start()
+    def sink(chunk: Chunk) -> None:
+        put(chunk)
+        if chunk.finish_reason is not None:
+            put(_END)
+
+    if getattr(stream, "forwards", False):  # its producer never blocks: it hands chunks over itself, no thread
+        stream.forward(sink)
+    else:
+        threading.Thread(target=pump, name="localllm-stream", daemon=True).start()
     finished = False
     try:
         while (item := await queue.get()) is not _END:

@@ -59,6 +59,9 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
     pool = state.pool
     t0 = time.perf_counter()
     cm = pool.use(name, options=options or {}, keep_alive=keep_alive)
+    finder = getattr(pool, "engine_for", None)
+    if getattr(finder(name) if finder else None, "light_build", False):  # a loaded remote model: nothing to wait for
+        return Lease(name, cm.__enter__(), (time.perf_counter() - t0) * 1000, cm)
     loading = asyncio.ensure_future(run_in_threadpool(cm.__enter__))
     try:
         engine = await asyncio.shield(loading)
@@ -179,9 +182,11 @@ class Generation:
         Any error releases the lease and propagates (the dialect answers it with a status code)."""
         lease = await acquire(state, name, options=options, keep_alive=keep_alive)
         try:
-            req = await run_in_threadpool(build, lease)
-            check_capacity(lease.engine, max_waiting(state.settings))
-            stream = await run_in_threadpool(lease.engine.submit, req)
+            engine = lease.engine  # a remote model's engine builds and submits without worker threads
+            req = build(lease) if getattr(engine, "light_build", False) else await run_in_threadpool(build, lease)
+            check_capacity(engine, max_waiting(state.settings))
+            asubmit = getattr(engine, "asubmit", None)
+            stream = await asubmit(req) if asubmit else await run_in_threadpool(engine.submit, req)
         except BaseException:
             lease.release()
             raise
