@@ -25,7 +25,8 @@ needs_rpc = pytest.mark.skipif(not HAS_RPC, reason="the installed llama.cpp buil
 
 def test_endpoints_are_checked() -> None:
     assert rpc.parse_endpoints("127.0.0.1:50052, 10.0.0.2:50053,") == ["127.0.0.1:50052", "10.0.0.2:50053"]
-    assert rpc.parse_endpoints("[::1]:50052") == ["[::1]:50052"]
+    with pytest.raises(InvalidInput, match="no IPv6"):  # ggml would abort on it
+        rpc.parse_endpoints("[::1]:50052")
     for bad in ("gpu-box", "gpu-box:", ":50052", "h:0", "h:70000", "h:port"):
         with pytest.raises(InvalidInput, match="is not host:port"):
             rpc.parse_endpoints(bad)
@@ -112,6 +113,34 @@ def test_fit_plan_offloads_to_the_workers(workers: list[str], tiny_path: Path) -
     info = model_info(tiny_path)
     kw, plan = engine_kwargs(info, slots=1, ctx=512, rpc=",".join(workers))
     assert kw["rpc"] == workers and kw["n_gpu_layers"] == info.layers + 1  # the workers hold it all
+
+
+@needs_rpc
+def test_a_port_that_is_no_worker_is_a_clear_error_not_an_abort(tiny_path: Path) -> None:
+    """ggml aborts the process that asks a port which is not an RPC server: the probe's child takes that."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    port = sock.getsockname()[1]
+
+    def talk() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=talk, daemon=True).start()
+    try:
+        with pytest.raises(ModelLoadError, match="did not answer as llama.cpp RPC servers"):
+            rpc.workers([f"127.0.0.1:{port}"], timeout=20)
+    finally:
+        sock.close()
 
 
 @needs_rpc

@@ -121,7 +121,7 @@ def list_(show_catalog: bool, as_json: bool) -> None:
         return
     from localllm.models.remotes import Remotes
 
-    mans, remotes = Store().list(), Remotes().list()
+    mans, remotes = Store().list(), Remotes().readable()
     if as_json:
         print_json([{"name": m.name, "digest": m.digest, "size": m.size, "quant": m.quant,
                      "modified": m.created, "source": m.source} for m in mans]

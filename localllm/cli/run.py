@@ -167,7 +167,7 @@ def _remote_model(model: str) -> Any:
     from localllm.models.store import Store
 
     try:
-        return None if Store().get(model) is not None else Remotes().get(model)
+        return None if Store().get(model) is not None else Remotes().find(model)
     except LocalLLMError:
         return None
 

@@ -71,6 +71,12 @@ def _check_rpc(value: str) -> None:
 
     rpc.require()
     click.secho(f"warning: models load with layers on RPC workers {value}. {SECURITY}", fg="yellow", err=True)
+    try:  # asked once, now, before any model holds a worker (a worker serves one client at a time)
+        found = rpc.workers(rpc.parse_endpoints(value))
+        click.echo("RPC workers: " + ", ".join(f"{w.endpoint} ({w.free_bytes / 2**30:.1f} GiB free)" for w in found),
+                   err=True)
+    except LocalLLMError as exc:
+        click.secho(f"warning: {exc.message} (models will load once the workers answer)", fg="yellow", err=True)
 
 
 SERVE_CHECKS: dict[str, Callable[[Any], None]] = {**SETTING_CHECKS, "model": _check_model,

@@ -30,12 +30,16 @@ def worker(host: str, port: int, threads: int | None, cache_dir: str | None) -> 
     from localllm.config import valid_host
     from localllm.runtime import rpc
 
-    if not valid_host(host):
-        raise click.BadParameter(f"{host!r} is not a host name or address", param_hint="--host")
+    if not valid_host(host) or ":" in host:
+        raise click.BadParameter(f"{host!r} is not a host name or IPv4 address (llama.cpp's RPC has no IPv6)",
+                                 param_hint="--host")
     rpc.require()
     click.secho(f"warning: {SECURITY}", fg="yellow", err=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.secho(f"listening on {host}, which is not loopback: every machine that reaches it can use it",
                     fg="yellow", err=True)
     click.echo(f"localllm RPC worker on {host}:{port} (Ctrl+C stops it)", err=True)
-    rpc.serve(host, port, threads=threads, cache_dir=cache_dir)
+    try:
+        rpc.serve(host, port, threads=threads, cache_dir=cache_dir)
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from localllm.errors import InvalidInput, UpstreamError, UpstreamTimeout, UpstreamUnsupported
+from localllm.errors import InvalidInput, Overloaded, UpstreamError, UpstreamTimeout, UpstreamUnsupported
 from localllm.runtime.slots import StreamState
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Request, Timings, Usage
@@ -97,8 +97,8 @@ class RemoteEngine:
     async def asubmit(self, req: Request) -> Stream:
         """submit() for an event loop: waits for the upstream's status line without a worker thread."""
         stream, started = self._start(req, asyncio.get_running_loop())
-        try:
-            await asyncio.wrap_future(started)
+        try:  # shielded: a client gone meanwhile cancels the stream, not the future the task settles
+            await asyncio.shield(asyncio.wrap_future(started))
         except BaseException:
             stream.cancel()
             raise
@@ -115,14 +115,17 @@ class RemoteEngine:
         state = StreamState()
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
-            self._active += 1
-            self._requests += 1
-        with self._lock:
+            if self._closed:
+                raise UpstreamError(f"{self.remote.name} was unloaded", "retry the request")
+            for dead in [lp for lp in self._clients if lp.is_closed()]:  # e.g. asyncio.run() per call
+                del self._clients[dead]
             client = self._clients.get(loop)
             if client is None:
                 timeout = httpx.Timeout(self.remote.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.remote.timeout_s))
                 limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
                 client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+            self._active += 1
+            self._requests += 1
         coro = self._run(client, call, state, started)
         if loop is _Loop.get():
             task: Any = asyncio.run_coroutine_threadsafe(coro, loop)
@@ -130,9 +133,14 @@ class RemoteEngine:
         else:  # the caller's own loop (we are on it)
             task = loop.create_task(coro)
             wake = lambda: loop.call_soon_threadsafe(task.cancel)  # a cancel may come from any thread
+        task.add_done_callback(self._finished)  # also when cancelled before it ever ran
         stream = Stream(state, req.id, wake=wake)
         stream.forwards = True  # the upstream's loop hands each chunk to the reader's loop directly
         return stream, started
+
+    def _finished(self, _task: Any) -> None:
+        with self._lock:
+            self._active -= 1
 
     def idle(self) -> bool:
         with self._lock:
@@ -185,14 +193,22 @@ class RemoteEngine:
         t0 = time.perf_counter()
         reader = _Reader(call.kind)
         headers = {"Accept": "text/event-stream"}
-        key = self.remote.api_key()
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
         try:
+            key = self.remote.api_key()
+            if key:
+                if not key.isascii() or not key.isprintable() or " " in key:
+                    raise UpstreamError(f"the API key in ${self.remote.api_key_env} has spaces, control or non-ASCII "
+                                        "characters", f"set ${self.remote.api_key_env} to the key alone")
+                headers["Authorization"] = f"Bearer {key}"
             async with client.stream("POST", self._url(call.kind), json=call.body, headers=headers) as resp:
-                if resp.status_code >= 400:
-                    raise self._status_error(call.kind, resp.status_code, (await resp.aread())[:2000])
-                started.set_result(None)
+                if resp.status_code >= 300:
+                    raise self._status_error(call.kind, resp.status_code, (await resp.aread())[:2000],
+                                             resp.headers.get("location"))
+                kind = resp.headers.get("content-type", "")
+                if "json" in kind and "event-stream" not in kind:  # it answered without streaming
+                    raise UpstreamError(f"{self._where()} answered a streamed request with one JSON body",
+                                        "check that the URL is an OpenAI-compatible server's /v1")
+                _settle(started)
                 async for event in _events(resp):
                     if state.cancelled.is_set():
                         break
@@ -216,21 +232,27 @@ class RemoteEngine:
             if not reader.done:
                 state.put(reader.last("cancelled", t0))  # the reader sees the end; the connection is closed
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the request, never the loop
-            err = exc if isinstance(exc, (UpstreamError, InvalidInput)) else self._transport_error(exc)
+            err = exc if isinstance(exc, (UpstreamError, InvalidInput, Overloaded)) else self._transport_error(exc)
+            if isinstance(exc, _MidStreamError):
+                err = UpstreamError(f"{self._where()} reported an error mid-stream: {self._clean(str(exc))}")
             with self._lock:
                 self._errors += not reader.done
             if not started.done():
-                started.set_exception(err)
+                _settle(started, err)
             elif not reader.done:  # (a failure after the answer ended costs the reader nothing)
                 state.put(Chunk(finish_reason="error", error=err, timings=reader.timings(t0)))
         finally:
-            with self._lock:
-                self._active -= 1
-            if not started.done():
-                started.set_result(None)
+            _settle(started)
 
-    def _status_error(self, kind: str, status: int, body: bytes) -> Exception:
+    def _status_error(self, kind: str, status: int, body: bytes, location: str | None = None) -> Exception:
         detail = self._clean(_error_text(body)) or f"HTTP {status}"
+        if status < 400:
+            return UpstreamError(f"{self._where()} redirected the request ({status} to {location or '?'})",
+                                 "give the final URL with `localllm remote add --replace`")
+        if status == 429:
+            return Overloaded(f"{self._where()} is rate-limiting requests (429: {detail})", "retry shortly")
+        if status == 408:
+            return UpstreamTimeout(f"{self._where()} timed the request out (408: {detail})")
         if status in (401, 403):
             env = self.remote.api_key_env
             hint = (f"check the key in ${env}" if env and self.remote.api_key() else
@@ -249,6 +271,11 @@ class RemoteEngine:
 
     def _transport_error(self, exc: BaseException) -> Exception:
         what = self._clean(str(exc) or exc.__class__.__name__)
+        if isinstance(exc, (httpx.LocalProtocolError, UnicodeError)):  # its text could quote a header: the key
+            what = exc.__class__.__name__
+        if isinstance(exc, httpx.PoolTimeout):
+            return UpstreamTimeout(f"more requests to {self._where()} are open than its 64 connections allow",
+                                   "retry shortly")
         if isinstance(exc, httpx.ConnectTimeout):
             return UpstreamTimeout(f"{self._where()} did not accept a connection within "
                                    f"{min(CONNECT_TIMEOUT_S, self.remote.timeout_s):g} s", "is the host up?")
@@ -264,6 +291,20 @@ class RemoteEngine:
         return UpstreamError(f"{self._where()} failed ({exc.__class__.__name__}: {what})")
 
 
+def _settle(started: concurrent.futures.Future[None], err: BaseException | None = None) -> None:
+    """Tell submit() how the status line went, once (the waiter may have gone meanwhile)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if not started.done():
+            if err is None:
+                started.set_result(None)
+            else:
+                started.set_exception(err)
+
+
+class _MidStreamError(Exception):
+    """An error event inside a stream that had started (the engine names the upstream and cleans it)."""
+
+
 def _error_text(body: bytes) -> str:
     """The message of an upstream's error body (OpenAI's, llama.cpp's, FastAPI's or plain text)."""
     try:
@@ -277,23 +318,33 @@ def _error_text(body: bytes) -> str:
 
 
 async def _events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON events of a server-sent-event stream (`data: {...}` lines); `[DONE]` ends it."""
+    """The JSON events of a server-sent-event stream (its `data:` lines joined until a blank line); `[DONE]`
+    is yielded as {"[DONE]": True}; an error event (`event: error`, or an `error` object) raises."""
+    data: list[str] = []
+    name = ""
     async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
+        if line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        if line.startswith("event:"):
+            name = line[6:].strip()
+            continue
+        if line.strip() or not data:
+            continue
+        text, data, kind, name = "\n".join(data).strip(), [], name, ""
+        if text == "[DONE]":
             yield {"[DONE]": True}
             continue  # the caller reads on to the body's end (a connection read to its end is reused)
-        if data:
-            try:
-                event = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                if "error" in event and not event.get("choices"):  # an error after the stream started
-                    raise UpstreamError(f"the upstream reported an error mid-stream: {_error_text(data.encode())}")
-                yield event
+        try:
+            event = json.loads(text)
+        except ValueError:
+            if kind == "error":
+                raise _MidStreamError(text[:300]) from None
+            continue
+        if kind == "error" or (isinstance(event, dict) and event.get("error") and not event.get("choices")):
+            raise _MidStreamError(_error_text(text.encode()))
+        if isinstance(event, dict):
+            yield event
 
 
 class _Reader:
@@ -307,6 +358,7 @@ class _Reader:
         self.first_at: float | None = None
         self.n_pieces = 0
         self._thinking = False
+        self._answered = False
         self._calls: dict[int, dict[str, str]] = {}
 
     def feed(self, event: dict[str, Any]) -> str:
@@ -337,11 +389,14 @@ class _Reader:
                 continue
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning and self._answered:
+                reasoning = None  # reasoning after the answer began: the reply reader knows one block only
             if reasoning:
                 out += ("" if self._thinking else THINK[0]) + str(reasoning)
                 self._thinking = True
             if delta.get("content"):
                 out += self._close_reasoning() + str(delta["content"])
+                self._answered = True
             for call in delta.get("tool_calls") or []:
                 self._call(call)
         self.n_pieces += bool(out)
@@ -356,10 +411,15 @@ class _Reader:
     def _call(self, call: Any) -> None:
         if not isinstance(call, dict):
             return
-        entry = self._calls.setdefault(int(call.get("index", len(self._calls)) or 0), {"name": "", "args": ""})
         fn = call.get("function") or {}
+        index = call.get("index")
+        if not isinstance(index, int):  # no index: a new call when it names itself, else the last one goes on
+            fresh = call.get("id") or fn.get("name") or not self._calls
+            index = len(self._calls) if fresh else max(self._calls)
+        entry = self._calls.setdefault(index, {"name": "", "args": ""})
         entry["name"] += str(fn.get("name") or "")
-        entry["args"] += str(fn.get("arguments") or "")
+        args = fn.get("arguments")
+        entry["args"] += args if isinstance(args, str) else json.dumps(args) if args is not None else ""
 
     def _tool_text(self) -> str:
         """The calls as Hermes blocks, for the reply parser (written whole once their arguments are in)."""

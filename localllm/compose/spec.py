@@ -123,7 +123,7 @@ class Composer:
         same name wins (`remote add` refuses one, but a later pull could make one)."""
         if self.store.get(name) is not None:
             return None
-        return self.remotes.get(name)
+        return self.remotes.find(name)
 
     # ---- the pool's resolver ---------------------------------------------------------------------
     def resolve(self, name: str, options: dict[str, Any]) -> ModelSpec:

@@ -9,6 +9,7 @@ nothing written here, listed or logged can leak it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -40,8 +41,9 @@ class Remote:
         return self.url.removesuffix("/v1")
 
     def api_key(self) -> str | None:
-        """The key from its environment variable (None when unset or none is configured)."""
-        return os.environ.get(self.api_key_env) or None if self.api_key_env else None
+        """The key from its environment variable, without surrounding whitespace (an env file's line end);
+        None when unset or none is configured."""
+        return (os.environ.get(self.api_key_env) or "").strip() or None if self.api_key_env else None
 
     def public(self) -> dict[str, Any]:
         """What `list`, /api/tags and `ps` may show: the variable's name, never its value."""
@@ -80,13 +82,13 @@ class Remotes:
 
             path = paths().config / "remotes.json"
         self.path = path
-        self._cache: tuple[tuple[int, int], dict[str, dict[str, Any]]] | None = None
+        self._cache: tuple[tuple[int, int, int], dict[str, dict[str, Any]]] | None = None
 
     def _read(self) -> dict[str, dict[str, Any]]:
         """The entries (re-read only when the file changed: every request of a server resolves names here)."""
         try:
             st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # the inode: an atomic replace within one tick
             if self._cache is not None and self._cache[0] == stamp:
                 return {k: dict(v) for k, v in self._cache[1].items() if isinstance(v, dict)}
             data = json.loads(self.path.read_bytes() or b"{}")
@@ -98,6 +100,22 @@ class Remotes:
         data = data if isinstance(data, dict) else {}
         self._cache = (stamp, data)
         return {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
+
+    def readable(self) -> list[Remote]:
+        """list(), or none (logged) when the file is damaged: listings of local models must not fail with it."""
+        try:
+            return self.list()
+        except StoreError as exc:
+            logging.getLogger("localllm.remotes").warning("%s", exc)
+            return []
+
+    def find(self, name: str) -> Remote | None:
+        """get(), or None (logged) when the file is damaged."""
+        try:
+            return self.get(name)
+        except StoreError as exc:
+            logging.getLogger("localllm.remotes").warning("%s", exc)
+            return None
 
     def list(self) -> list[Remote]:
         out = []

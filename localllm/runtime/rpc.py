@@ -16,15 +16,19 @@ Facts this module is built on (llama.cpp of llama-cpp-python 0.3.36, RPC protoco
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from localllm.errors import InvalidInput, ModelLoadError
 
-CPU, GPU, ACCEL = 0, 1, 3  # enum ggml_backend_dev_type
+CPU, GPU, IGPU = 0, 1, 2  # enum ggml_backend_dev_type (3, ACCEL, is BLAS/AMX: a CPU helper, never served)
 _vp, _sz = ctypes.c_void_p, ctypes.c_size_t
 _lock = threading.Lock()
 _registered: dict[str, list[int]] = {}  # endpoint -> its devices (a process registers each endpoint once)
@@ -79,8 +83,7 @@ class _Libs:
         self.start_server = fn(rpc, "ggml_backend_rpc_start_server", None, ctypes.c_char_p, ctypes.c_char_p, _sz,
                                _sz, ctypes.POINTER(_vp))
         self.add_server = fn(rpc, "ggml_backend_rpc_add_server", _vp, ctypes.c_char_p)
-        self.memory = fn(rpc, "ggml_backend_rpc_get_device_memory", None, ctypes.c_char_p, ctypes.c_uint32,
-                         ctypes.POINTER(_sz), ctypes.POINTER(_sz))
+        self.dev_memory = fn(base, "ggml_backend_dev_memory", None, _vp, ctypes.POINTER(_sz), ctypes.POINTER(_sz))
 
     @classmethod
     def get(cls) -> _Libs:
@@ -101,6 +104,9 @@ def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> list[str]:
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidInput(f"RPC worker {item!r} is not host:port", "e.g. --rpc 192.168.1.20:50052,127.0.0.1:50053")
+        if ":" in host or "[" in host:  # ggml splits at the first ':' and connects over IPv4 only
+            raise InvalidInput(f"RPC worker {item!r}: llama.cpp's RPC client takes no IPv6 address",
+                               "use an IPv4 address or a host name")
         out.append(item)
     if len(out) > 16:
         raise InvalidInput(f"{len(out)} RPC workers given; llama.cpp takes at most 16")
@@ -118,16 +124,61 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> None:
                              f"start it there: localllm worker --host {host} --port {port}") from None
 
 
-def workers(endpoints: list[str]) -> list[Worker]:
-    """Each worker's memory as it reports it (the fit plan sizes the offload with it)."""
+_probed: dict[tuple[str, ...], list[Worker]] = {}
+
+
+def workers(endpoints: list[str], timeout: float = 30.0) -> list[Worker]:
+    """Each worker's memory as it reports it (the fit plan sizes the offload with it), asked once per process
+    from a child process: a worker serves one client at a time (a model loaded on it would make this wait),
+    and ggml aborts the asking process on a port that is not a llama.cpp RPC server of its version."""
+    key = tuple(endpoints)
+    with _lock:
+        if key in _probed:
+            return _probed[key]
+    for ep in endpoints:
+        _reachable(ep)
+    try:
+        res = subprocess.run([sys.executable, "-m", "localllm.runtime.rpc", *endpoints], capture_output=True,
+                             text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise ModelLoadError(f"the RPC workers {', '.join(endpoints)} did not report their memory within {timeout:g} s",
+                             "a worker serves one client at a time: is another server using it?") from None
+    if res.returncode != 0:
+        raise ModelLoadError(f"the RPC workers {', '.join(endpoints)} did not answer as llama.cpp RPC servers",
+                             "is each a `localllm worker` of the same llama.cpp version?")
+    found = [Worker(**w) for w in json.loads(res.stdout)]
+    with _lock:
+        _probed[key] = found
+    return found
+
+
+def _measure(endpoints: list[str]) -> list[Worker]:
+    """In this process (the probe's child): register each worker and sum its devices' memory."""
     libs = _Libs.get()
     out = []
     for ep in endpoints:
-        _reachable(ep)
-        free, total = _sz(0), _sz(0)
-        libs.memory(ep.encode(), 0, ctypes.byref(free), ctypes.byref(total))
-        out.append(Worker(ep, int(free.value), int(total.value)))
+        free = total = 0
+        for dev in _register(libs, ep):
+            f, t = _sz(0), _sz(0)
+            libs.dev_memory(dev, ctypes.byref(f), ctypes.byref(t))
+            free, total = free + int(f.value), total + int(t.value)
+        out.append(Worker(ep, free, total))
     return out
+
+
+def _register(libs: _Libs, ep: str) -> list[int]:
+    _reachable(ep)  # every time: a worker that died since would make ggml abort
+    with _lock:
+        devs = _registered.get(ep)
+    if devs is None:
+        reg = libs.add_server(ep.encode())
+        if not reg:
+            raise ModelLoadError(f"RPC worker {ep} answered with no device", "check the worker's log")
+        libs.register(reg)
+        devs = [libs.reg_dev_get(reg, i) for i in range(libs.reg_dev_count(reg))]
+        with _lock:
+            _registered[ep] = devs
+    return devs
 
 
 def devices(endpoints: list[str]) -> ctypes.Array[ctypes.c_void_p]:
@@ -135,20 +186,9 @@ def devices(endpoints: list[str]) -> ctypes.Array[ctypes.c_void_p]:
     worker's devices (registered once per process). Keep the array alive while the model loads."""
     libs = _Libs.get()
     local = [libs.dev_get(i) for i in range(libs.dev_count())]
-    out = [d for d in local if libs.dev_type(d) in (GPU, ACCEL) and d not in _all_rpc()]
+    out = [d for d in local if libs.dev_type(d) in (GPU, IGPU) and d not in _all_rpc()]
     for ep in endpoints:
-        with _lock:
-            devs = _registered.get(ep)
-        if devs is None:
-            _reachable(ep)
-            reg = libs.add_server(ep.encode())
-            if not reg:
-                raise ModelLoadError(f"RPC worker {ep} answered with no device", "check the worker's log")
-            libs.register(reg)
-            devs = [libs.reg_dev_get(reg, i) for i in range(libs.reg_dev_count(reg))]
-            with _lock:
-                _registered[ep] = devs
-        out += devs
+        out += _register(libs, ep)
     return (_vp * (len(out) + 1))(*out, None)
 
 
@@ -158,18 +198,24 @@ def _all_rpc() -> set[int]:
 
 
 def serve(host: str, port: int, *, threads: int | None = None, cache_dir: str | None = None) -> None:
-    """Serve this machine's device to RPC clients on host:port; blocks for good (returns only when the
-    port cannot be bound). The device is the first GPU, else the CPU, as llama.cpp's rpc-server picks."""
+    """Serve this machine's devices to RPC clients on host:port, as llama.cpp's rpc-server does: its GPUs,
+    else its CPU. Blocks until Ctrl+C (the server runs on a daemon thread, so the process can end);
+    raises when the port cannot be bound."""
     libs = _Libs.get()
     local = [libs.dev_get(i) for i in range(libs.dev_count())]
-    gpus = [d for d in local if libs.dev_type(d) in (GPU, ACCEL)]
-    cpus = [d for d in local if libs.dev_type(d) == CPU]
-    chosen = gpus or cpus
+    gpus = [d for d in local if libs.dev_type(d) in (GPU, IGPU)]
+    chosen = gpus or [d for d in local if libs.dev_type(d) == CPU]
     if not chosen:
         raise ModelLoadError("llama.cpp reports no device to serve")
     arr = (_vp * len(chosen))(*chosen)
     n_threads = threads or max(1, (os.cpu_count() or 2) // 2)
-    host_text = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    libs.start_server(f"{host_text}:{port}".encode(), cache_dir.encode() if cache_dir else None, n_threads,
-                      len(chosen), arr)
+    args = (f"{host}:{port}".encode(), cache_dir.encode() if cache_dir else None, n_threads, len(chosen), arr)
+    server = threading.Thread(target=libs.start_server, args=args, name="localllm-rpc", daemon=True)
+    server.start()
+    while server.is_alive():
+        server.join(0.5)
     raise ModelLoadError(f"the RPC worker could not listen on {host}:{port}", "is the port in use?")
+
+
+if __name__ == "__main__":  # the memory probe's child process (workers())
+    print(json.dumps([dataclasses.asdict(w) for w in _measure(sys.argv[1:])]))

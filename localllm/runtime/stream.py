@@ -31,8 +31,8 @@ class Stream:
         self.id = request_id
         self.prompt: list[int] = prompt or []  # the token ids that reach the model (after any truncation)
         self._wake = wake
-        # an abandoned stream (dropped without reading to the end) cancels itself
-        weakref.finalize(self, state.cancelled.set)
+        # an abandoned stream (dropped without reading to the end) cancels itself, and wakes its producer
+        weakref.finalize(self, _abandon, state, wake)
 
     def __iter__(self) -> Iterator[Chunk]:
         finished = False
@@ -75,6 +75,14 @@ class Stream:
         for chunk in self:
             res.absorb(chunk)
         return res
+
+
+def _abandon(state: StreamState, wake: Callable[[], None]) -> None:
+    if state.done:  # it ended: nothing to stop (a wake would only make the engine look busy for a moment)
+        return
+    state.cancelled.set()
+    with contextlib.suppress(Exception):  # at interpreter exit the producer may be gone already
+        wake()
 
 
 async def achunks(stream: Any) -> AsyncIterator[Chunk]:

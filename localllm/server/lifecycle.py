@@ -59,9 +59,6 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
     pool = state.pool
     t0 = time.perf_counter()
     cm = pool.use(name, options=options or {}, keep_alive=keep_alive)
-    finder = getattr(pool, "engine_for", None)
-    if getattr(finder(name) if finder else None, "light_build", False):  # a loaded remote model: nothing to wait for
-        return Lease(name, cm.__enter__(), (time.perf_counter() - t0) * 1000, cm)
     loading = asyncio.ensure_future(run_in_threadpool(cm.__enter__))
     try:
         engine = await asyncio.shield(loading)

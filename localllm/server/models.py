@@ -169,7 +169,7 @@ def remotes(state: Any) -> list[Any]:
     if listing is None:
         return []
     names = {m.name for m in state.store.list()}
-    return [r for r in listing.list() if r.name not in names]
+    return [r for r in listing.readable() if r.name not in names]
 
 
 def remote_tag_entry(remote: Any) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class EngineBackend:
             entry = self.catalog_.entry(man.name) if self.catalog_ is not None else None
             ctx = self._ctx.get(man.name) or (entry or {}).get("context_length")
             rows.append(ModelRow(man.name, man.size, man.quant, ctx))
-        for r in self.remotes.list() if self.remotes is not None else []:  # served by an upstream
+        for r in self.remotes.readable() if self.remotes is not None else []:  # served by an upstream
             if r.name not in {row.name for row in rows}:
                 rows.append(ModelRow(r.name, 0, "remote", None))
         return rows
