@@ -81,7 +81,7 @@ class _Silent:
 class _NoInfill(BaseHTTPRequestHandler):
     """An OpenAI-only upstream (as vLLM and SGLang are): no /infill."""
 
-    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_POST(self) -> None:
         self.send_response(404)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -445,7 +445,7 @@ SCRIPTS: dict[str, tuple[int, dict[str, str], bytes]] = {
 
 
 class _Scripted(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.auth = self.headers.get("Authorization")  # type: ignore[attr-defined]
         if body["model"] == "endless":  # a piece every 20 ms for up to a minute; notes when the reader left

@@ -44,7 +44,8 @@ def test_serve_refuses_a_bad_rpc_flag() -> None:
 @pytest.mark.skipif(HAS_RPC, reason="this build has RPC: the refusal cannot happen")
 def test_without_rpc_the_commands_refuse() -> None:
     for args in (["worker", "--port", "50052"], ["serve", "--rpc", "127.0.0.1:50052"]):
-        res = subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=60)
+        res = subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=60,
+                             check=False)
         assert res.returncode == 1 and "this llama.cpp build has no RPC backend" in res.stderr, res.stderr
         assert "bash native/build.sh rpc" in res.stderr
 
@@ -111,7 +112,7 @@ def test_fit_plan_offloads_to_the_workers(workers: list[str], tiny_path: Path) -
     from localllm.models.gguf_meta import model_info
 
     info = model_info(tiny_path)
-    kw, plan = engine_kwargs(info, slots=1, ctx=512, rpc=",".join(workers))
+    kw, _ = engine_kwargs(info, slots=1, ctx=512, rpc=",".join(workers))
     assert kw["rpc"] == workers and kw["n_gpu_layers"] == info.layers + 1  # the workers hold it all
 
 

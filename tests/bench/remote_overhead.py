@@ -138,8 +138,8 @@ def main() -> None:
         down.kill()
     print(f"\nmodel {args.model.name}, upstream threads {args.upstream_threads}; {args.rounds} alternating rounds of "
           f"{args.tokens} tokens, greedy; medians\n")
-    print(f"| workload | TTFT direct (ms) | TTFT via localllm (ms) | added (median of pairs, ms) | "
-          f"decode direct (tok/s) | decode via localllm (tok/s) | ratio |")
+    print("| workload | TTFT direct (ms) | TTFT via localllm (ms) | added (median of pairs, ms) | "
+          "decode direct (tok/s) | decode via localllm (tok/s) | ratio |")
     print("|---|---|---|---|---|---|---|")
     for label, dt, vt, add, dr, vr in rows:
         print(f"| {label} | {dt:.1f} | {vt:.1f} | {add:+.1f} | {dr:.1f} | {vr:.1f} | {vr / dr if dr else 0:.3f}x |")
