@@ -582,3 +582,31 @@ def test_cancel_closes_the_upstream_connection(scripted: ThreadingHTTPServer, do
     while scripted.left_at is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.02)
     assert scripted.left_at is not None and scripted.left_at - hung_up < 5  # type: ignore[attr-defined]
+
+
+def test_a_loaded_remote_model_is_held_without_waiting(up: Server, down: Server) -> None:
+    """The server takes a loaded remote model on its event loop: never while the pool's lock is held (an
+    unload may hold it for seconds), and never for an entry that changed since it was loaded."""
+    oa(down).chat.completions.create(model="team-tiny", messages=HI, max_tokens=2)
+    pool, remote = down.pool, down.app.state.remotes.get("team-tiny")
+    held = pool.use_remote("team-tiny:latest", remote)
+    assert held is not None
+    with held as engine:
+        assert engine is pool.engine_for("team-tiny:latest")
+        assert next(m for m in pool.loaded() if m["name"] == "team-tiny:latest")["busy"]
+    assert pool.use_remote("team-tiny:latest", remote.__class__(**{**remote.__dict__, "model": "other"})) is None
+    assert pool.use_remote("nothing:latest", remote) is None
+    got = threading.Event()
+    release = threading.Event()
+
+    def hold_lock() -> None:
+        with pool._lock:  # as an unload does
+            got.set()
+            release.wait(5)
+
+    threading.Thread(target=hold_lock, daemon=True).start()
+    got.wait(5)
+    try:
+        assert pool.use_remote("team-tiny:latest", remote) is None
+    finally:
+        release.set()

@@ -184,12 +184,39 @@ class ModelPool:
             yield engine
         finally:
             if entry is not None:
-                with self._lock:
-                    entry.users -= 1
-                    entry.last_used = time.monotonic()
-                    if entry.draining and entry.users == 0:
-                        for key in [k for k, e in self._loaded.items() if e is entry]:
-                            self._unload_locked(key)
+                self._let_go(entry)
+
+    def _let_go(self, entry: Loaded) -> None:
+        with self._lock:
+            entry.users -= 1
+            entry.last_used = time.monotonic()
+            if entry.draining and entry.users == 0:
+                for key in [k for k, e in self._loaded.items() if e is entry]:
+                    self._unload_locked(key)
+
+    @contextlib.contextmanager
+    def _holding(self, entry: Loaded) -> Any:
+        try:
+            yield entry.engine
+        finally:
+            self._let_go(entry)
+
+    def use_remote(self, name: str, remote: Any) -> contextlib.AbstractContextManager[Any] | None:
+        """use() for a loaded remote model, without waiting (the server calls it on its event loop): None
+        when the pool's lock is taken, `name` is not loaded, or it was loaded for another entry than `remote`
+        (then use() resolves and reloads as ever)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            entry = self._loaded.get(name)
+            if entry is None or not entry.spec.remote or entry.spec.engine_kwargs.get("remote") != remote \
+                    or entry.draining:
+                return None
+            entry.users += 1
+            entry.last_used = time.monotonic()
+        finally:
+            self._lock.release()
+        return self._holding(entry)
 
     def pin(self, name: str) -> None:
         """Keep `name` (a spec name) loaded: a request's keep_alive, the reaper and eviction for another

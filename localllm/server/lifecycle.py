@@ -58,6 +58,12 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
         raise InvalidInput("missing field 'model'", "send \"model\": \"name:tag\"")
     pool = state.pool
     t0 = time.perf_counter()
+    composer = getattr(state, "composer", None)
+    if keep_alive is None and not options and composer is not None and hasattr(pool, "use_remote"):
+        remote = composer.remote(name)  # a loaded remote model is held at once: no worker thread, no wait
+        fast = pool.use_remote(remote.name, remote) if remote is not None else None
+        if fast is not None:
+            return Lease(remote.name, fast.__enter__(), (time.perf_counter() - t0) * 1000, fast)
     cm = pool.use(name, options=options or {}, keep_alive=keep_alive)
     loading = asyncio.ensure_future(run_in_threadpool(cm.__enter__))
     try:
