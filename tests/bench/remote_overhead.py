@@ -1,13 +1,15 @@
 """What a remote model costs: the same requests sent to an upstream directly and through localllm.
 
     python tests/bench/remote_overhead.py MODEL_FILE.gguf [--rounds 30] [--tokens 128]
+    python tests/bench/remote_overhead.py --fake [--rounds 130]     (the proxy's own cost)
 
 Starts two `localllm serve` processes on loopback ports: the upstream, serving MODEL_FILE, and localllm
 with a remote model (`remote add`) pointing at it. Each round sends one request straight to the upstream
 and the same one through localllm, in alternating order, for a streamed OpenAI chat and a streamed llama.cpp
 /infill. It prints, per workload, the median time to first token of each path, the median of the paired
 differences (the overhead of going through localllm) and the decode rate (tokens/s after the first token).
-Greedy, and the same prompt every round, so the upstream's prefix cache makes both TTFTs small: what is
+With --fake the upstream is a minimal Starlette server that streams at once (one piece per 10 ms), so
+what is measured is localllm's own cost. Greedy, and the same prompt every round, so the upstream's prefix cache makes both TTFTs small: what is
 left is the upstream's one-token prefill plus the hops, which is what the overhead is measured against.
 """
 
@@ -53,6 +55,31 @@ def _serve(home: Path, port: int, *extra: str, threads: int | None = None) -> su
     raise SystemExit(f"localllm serve on port {port} did not start")
 
 
+FAKE = """
+import asyncio, json, sys
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+async def chat(request):
+    body = await request.json()
+    async def gen():
+        yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\\n\\n'
+        for i in range(int(body.get("max_tokens") or 16)):
+            yield ('data: ' + json.dumps({"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}) + '\\n\\n').encode()
+            await asyncio.sleep(0.01)
+        yield b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\\n\\ndata: [DONE]\\n\\n'
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+async def health(request):
+    return JSONResponse({"status": "ok"})
+
+app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/health", health)])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
 def _stream(client: httpx.Client, url: str, body: dict[str, object], chat: bool) -> tuple[float, float, int]:
     """(TTFT ms, decode tokens/s, pieces) of one streamed request."""
     t0 = time.perf_counter()
@@ -78,7 +105,8 @@ def _stream(client: httpx.Client, url: str, body: dict[str, object], chat: bool)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path, help="a .gguf file for the upstream to serve")
+    ap.add_argument("model", type=Path, nargs="?", help="a .gguf file for the upstream to serve")
+    ap.add_argument("--fake", action="store_true", help="a fake upstream that streams at once (no model)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--upstream-threads", type=int, default=1, help="the upstream's threads (default 1: on one "
@@ -90,7 +118,11 @@ def main() -> None:
     from localllm.models.remotes import Remotes
     from localllm.models.store import Store
 
+    if args.model is None and not args.fake:
+        ap.error("give a MODEL_FILE.gguf, or --fake")
     tmp = Path(tempfile.mkdtemp(prefix="remote-bench-"))
+    if args.fake:
+        return _fake(args, tmp)
     install(Store(tmp / "up" / "data" / "models"), args.model.resolve(), "m:latest")
     # FIM markers as text for a model without FIM tokens, so /infill runs on any model (the latency is the point)
     (tmp / "up" / "config").mkdir(parents=True, exist_ok=True)
@@ -143,6 +175,35 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for label, dt, vt, add, dr, vr in rows:
         print(f"| {label} | {dt:.1f} | {vt:.1f} | {add:+.1f} | {dr:.1f} | {vr:.1f} | {vr / dr if dr else 0:.3f}x |")
+
+
+def _fake(args: argparse.Namespace, tmp: Path) -> None:
+    """Direct against through localllm, on the fake upstream: TTFT of the first piece, paired medians."""
+    from localllm.models.remotes import Remotes
+
+    up_port, down_port = _port(), _port()
+    up = subprocess.Popen([sys.executable, "-c", FAKE, str(up_port)])
+    Remotes(tmp / "down" / "config" / "remotes.json").add("fake:x", f"http://127.0.0.1:{up_port}/v1", "x")
+    try:
+        down = _serve(tmp / "down", down_port)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        pairs = []
+        with httpx.Client(timeout=30) as client:
+            for i in range(args.rounds + 20):
+                d = _stream(client, f"http://127.0.0.1:{up_port}/v1/chat/completions", {**body, "model": "x"}, True)
+                v = _stream(client, f"http://127.0.0.1:{down_port}/v1/chat/completions", {**body, "model": "fake:x"},
+                            True)
+                if i >= 20:  # warm-up
+                    pairs.append((d[0], v[0]))
+        down.kill()
+    finally:
+        up.kill()
+    d_med, v_med = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    added = statistics.median(v - d for d, v in pairs)
+    print(f"\nfake upstream, {len(pairs)} pairs; medians\n")
+    print("| TTFT direct (ms) | TTFT via localllm (ms) | added (median of pairs, ms) |")
+    print("|---|---|---|")
+    print(f"| {d_med:.2f} | {v_med:.2f} | {added:+.2f} |")
 
 
 if __name__ == "__main__":
