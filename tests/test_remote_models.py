@@ -28,7 +28,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 from helpers import TINY, Server, free_port, install, start_server
-from scriptmodel import CALLER, CALLER_CALL, THINKER, THINKER_REPLY, WEATHER_TOOL, make_script_gguf
+from scriptmodel import CALLER_CALL, THINKER_REPLY, WEATHER_TOOL
 from tinymodel import make_tiny_gguf
 
 from localllm.models.remotes import Remotes
@@ -38,15 +38,9 @@ HI = [{"role": "user", "content": "What is the answer?"}]
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The upstream: a real localllm server with the tiny model and the two script models."""
-    root = tmp_path_factory.mktemp("upstream")
-    info, server, thread = start_server(root)
-    for name, script in (("thinker", THINKER), ("caller", CALLER)):
-        install(info.app.state.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
-    yield info
-    server.should_exit = True
-    thread.join(timeout=20)
+def up(script_srv: Server) -> Server:
+    """The upstream: a real localllm server with the tiny model and the two script models (conftest)."""
+    return script_srv
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +219,20 @@ def test_what_cannot_go_upstream_is_a_clear_400(down: Server) -> None:
     r = httpx.post(down.url + "/v1/chat/completions", json={"model": "team-tiny", "messages": HI, "logprobs": True,
                                                             "top_logprobs": 2})
     assert r.status_code == 400 and "probabilities" in r.text
+    r = httpx.post(down.url + "/completion", json={"model": "team-tiny", "prompt": "a", "logit_bias": [["hello", 5]]})
+    assert r.status_code == 400 and "logit_bias takes token ids only" in r.text
+
+
+def test_logit_bias_by_id_goes_upstream(up: Server, down: Server) -> None:
+    first = oa(up).completions.create(model=TINY, prompt="Once upon a time", temperature=0, max_tokens=1)
+    tok = httpx.post(up.url + "/tokenize", json={"model": TINY, "content": first.choices[0].text}).json()["tokens"][0]
+    banned = {str(tok): -100}
+    direct = oa(up).completions.create(model=TINY, prompt="Once upon a time", temperature=0, max_tokens=8,
+                                       logit_bias=banned)
+    remote = oa(down).completions.create(model="team-tiny", prompt="Once upon a time", temperature=0, max_tokens=8,
+                                         logit_bias=banned)
+    assert remote.choices[0].text == direct.choices[0].text  # the ban reached the upstream: the same text
+    assert not direct.choices[0].text.startswith(first.choices[0].text)  # ... and it mattered
 
 
 # ---- failures name the upstream, never hang, never show the key -------------------------------------------

@@ -12,14 +12,13 @@ drafting options are the upstream's business and are not sent.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from typing import Any
 
 from localllm.compose.remote import THINK, UpstreamCall
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import thinking, tool_choice
-from localllm.compose.requests import Defaults, Options, json_format, params_from, stop_list
+from localllm.compose.requests import Defaults, Options, json_format, logit_bias_pairs, params_from, stop_list
 from localllm.errors import InvalidInput
 from localllm.runtime.types import GenerationParams, Request
 
@@ -123,32 +122,13 @@ def _params(p: GenerationParams) -> GenerationParams:
 
 
 def _logit_bias(value: Any, openai: bool, name: str) -> dict[str, float]:
-    """OpenAI's {"token id": bias}; a bias given by text needs the tokenizer, which is the upstream's."""
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = []
-        for i, pair in enumerate(value):
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise InvalidInput(f"logit_bias[{i}] must be a [token, bias] pair, got {pair!r}")
-            items.append((pair[0], pair[1]))
-    else:
-        raise InvalidInput("logit_bias must be an object {\"token id\": bias} or a list of [token, bias] pairs")
-    out: dict[str, float] = {}
-    for key, bias in items:
-        tok = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise InvalidInput(f"{name} is a remote model: logit_bias takes token ids only (its tokenizer is the "
-                               f"upstream's), got {key!r}")
-        if bias is False or (isinstance(bias, (int, float)) and bias == -math.inf):
-            out[str(tok)] = -100.0
-        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise InvalidInput(f"logit_bias: the bias of {key!r} must be a finite number or false, got {bias!r}")
-        else:
-            out[str(tok)] = float(max(-100.0, min(100.0, bias))) if openai else float(bias)
-    return out
+    """OpenAI's {"token id": bias} from any form a door takes (compose.requests.logit_bias_pairs checks it);
+    a bias given by text needs the tokenizer, which is the upstream's. A ban is OpenAI's -100."""
+    def no_text(text: str) -> list[int]:
+        raise InvalidInput(f"{name} is a remote model: logit_bias takes token ids only (its tokenizer is the "
+                           f"upstream's), got {text!r}")
+
+    return {str(tok): max(-100.0, min(100.0, bias)) for tok, bias in logit_bias_pairs(value, no_text, openai=openai)}
 
 
 def upstream_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
