@@ -20,7 +20,7 @@ from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import thinking, tool_choice
 from localllm.compose.requests import Defaults, Options, json_format, logit_bias_pairs, params_from, stop_list
 from localllm.errors import InvalidInput
-from localllm.runtime.types import GenerationParams, Request
+from localllm.runtime.types import Request
 
 STANDARD = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
 # llama.cpp / vLLM / SGLang extensions, sent only when the client set them
@@ -112,13 +112,8 @@ class RemoteBuilder:
         body["model"], body["stream"] = self.remote.model, True
         if kind != "infill":
             body["stream_options"] = {"include_usage": True}
-        return Request(prompt="", params=_params(params), max_tokens=limit if isinstance(limit, int) and limit > 0
+        return Request(prompt="", params=params, max_tokens=limit if isinstance(limit, int) and limit > 0
                        else None, stop=stops, upstream=UpstreamCall(kind, body))
-
-
-def _params(p: GenerationParams) -> GenerationParams:
-    p.logit_bias = []
-    return p
 
 
 def _logit_bias(value: Any, openai: bool, name: str) -> dict[str, float]:

@@ -120,10 +120,12 @@ class Composer:
 
     def remote(self, name: str) -> Any:
         """The remote model (models.remotes.Remote) `name` stands for, or None. An installed model of the
-        same name wins (`remote add` refuses one, but a later pull could make one)."""
-        if self.store.get(name) is not None:
+        same name wins (`remote add` refuses one, but a later pull could make one). The remotes file is asked
+        first (a cached stat): a local model's request reads no manifest more for it."""
+        remote = self.remotes.find(name)
+        if remote is None or self.store.get(name) is not None:
             return None
-        return self.remotes.find(name)
+        return remote
 
     # ---- the pool's resolver ---------------------------------------------------------------------
     def resolve(self, name: str, options: dict[str, Any]) -> ModelSpec:
@@ -238,9 +240,8 @@ class Composer:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:
         compose.requests.RequestBuilder, or for a remote model compose.remote_requests.RemoteBuilder (the
         same calls)."""
-        remote = getattr(engine, "remote", None)
-        if remote is not None and type(engine).__name__ == "RemoteEngine":
+        if engine.__class__.__module__ == "localllm.compose.remote":  # without importing httpx for local models
             from localllm.compose.remote_requests import RemoteBuilder
 
-            return RemoteBuilder(remote, self.defaults())
+            return RemoteBuilder(engine.remote, self.defaults())
         return RequestBuilder(self.chat_format(name, engine), engine, self.defaults())

@@ -100,8 +100,11 @@ async def metrics(request: Request) -> Response:
               "n_drafted_accepted_total": 0}
     cells = 0
     hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
-    for _, engine in _engines(request.app.state):
+    remote_rows = []  # (name, the remote engine's upstream and latency)
+    for m, engine in _engines(request.app.state):
         st = engine.stats()
+        if st.get("remote"):
+            remote_rows.append((m["name"], st["remote"]))
         for tier in hits:
             hits[tier] += st.get(f"hits_{tier}", 0)
         totals["prompt_tokens_total"] += st.get("prefill_tokens", 0)
@@ -121,17 +124,16 @@ async def metrics(request: Request) -> Response:
     lines += ["# HELP localllm:prompt_cache_hits_total requests whose prompt prefix came from the cache, by tier",
               "# TYPE localllm:prompt_cache_hits_total counter"]
     lines += [f'localllm:prompt_cache_hits_total{{tier="{t}"}} {n}' for t, n in hits.items()]
-    lines += remote_metrics([(m["name"], e) for m, e in _engines(request.app.state)])
+    lines += remote_metrics(remote_rows)
     ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
     lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
               "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
-def remote_metrics(engines: list[tuple[str, Any]]) -> list[str]:
-    """Per remote model: requests, failures, and time to first token through localllm (median of the
-    latest requests, and the last one), labelled with the model and its upstream."""
-    rows = [(name, st) for name, e in engines if (st := e.stats().get("remote"))]
+def remote_metrics(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per remote model (its name, its stats()["remote"]): requests, failures, and time to first token
+    through localllm (median of the latest requests, and the last one), labelled with model and upstream."""
     if not rows:
         return []
     out = []

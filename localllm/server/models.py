@@ -163,12 +163,12 @@ def installed(store: Store) -> list[Manifest]:
 
 
 # ---- remote models (models.remotes): listed beside the installed ones, shown without a file ----------------
-def remotes(state: Any) -> list[Any]:
-    """The remote models that no installed model shadows."""
+def remotes(state: Any, installed: list[Any]) -> list[Any]:
+    """The remote models that no installed model (of `installed`, the store's list) shadows."""
     listing = getattr(state, "remotes", None)
     if listing is None:
         return []
-    names = {m.name for m in state.store.list()}
+    names = {m.name for m in installed}
     return [r for r in listing.readable() if r.name not in names]
 
 

@@ -59,13 +59,13 @@ async def version() -> dict[str, str]:
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
     state = request.app.state
-    out = []
-    for man in state.store.list():
+    out, installed = [], state.store.list()
+    for man in installed:
         try:
             out.append(tag_entry(state, man))
         except LocalLLMError:
             continue  # an unreadable file is not listed; `localllm list` still shows its name
-    return {"models": out + [remote_tag_entry(r) for r in remotes(state)]}
+    return {"models": out + [remote_tag_entry(r) for r in remotes(state, installed)]}
 
 
 @router.post("/api/show")

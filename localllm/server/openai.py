@@ -413,7 +413,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def models(request: Request) -> dict[str, Any]:
     from localllm.server.models import remotes
 
-    installed = request.app.state.store.list() + remotes(request.app.state)  # both have name and created
+    installed = request.app.state.store.list()
+    installed += remotes(request.app.state, installed)  # both have name and created
     if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() on the same path
         data = [{"type": "model", "id": m.name, "display_name": m.name,
                  "created_at": datetime.fromtimestamp(m.created, timezone.utc).isoformat().replace("+00:00", "Z")}
