@@ -148,8 +148,11 @@ def test_a_stream_knows_its_slot(tmp_path: Path) -> None:
     """llama-server's `id_slot` comes from the engine's own admission, not from a guess afterwards."""
     with Engine(make_tiny_gguf(tmp_path / "t.gguf"), n_ctx=512, slots=2, threads=2) as eng:
         build = RequestBuilder(raw_format(), eng)
-        a = eng.submit(build.prompt("hello world", Options(max_tokens=40)))
-        b = eng.submit(build.prompt("foo bar json", Options(max_tokens=40)))
-        next(iter(a)), next(iter(b))
+        # neither may end before both are admitted: no EOS (sampled, it can come at once), and the iterators
+        # are kept (a dropped one cancels its stream)
+        a = eng.submit(build.prompt("hello world", Options(max_tokens=400, ignore_eos=True)))
+        b = eng.submit(build.prompt("foo bar json", Options(max_tokens=400, ignore_eos=True)))
+        ia, ib = iter(a), iter(b)
+        next(ia), next(ib)
         assert {a.slot, b.slot} == {0, 1}  # two requests at once: one slot each
         a.cancel(), b.cancel()
