@@ -145,7 +145,9 @@ class RequestBuilder:
                middle_prefix: str = "", policy: str = "error") -> Request:
         """Fill-in-the-middle with the model's FIM tokens (llama.cpp /infill layout, repo context in `extra`)."""
         text = fim_prompt(prefix, suffix, tokens=self.fmt.fim, extra=extra, middle_prefix=middle_prefix)
-        return self._request(self._tokens(text), options, stops=[], n_keep=0, policy=policy)
+        req = self._request(self._tokens(text), options, stops=[], n_keep=0, policy=policy)
+        req.prefill_cuts = False  # llama-server's infill prefills without checkpoint cuts
+        return req
 
     # ---- the parts -------------------------------------------------------------------------------
     def _tokens(self, text: str) -> list[int]:

@@ -28,6 +28,7 @@ from localllm.runtime.drafters import make_drafter
 from localllm.runtime.drafting import collect_drafts, settle_drafts
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.parking import Parking, open_disk_tier
+from localllm.runtime.prefill_split import next_end, prefill_ends
 from localllm.runtime.prefix_cache import common_prefix, kv_holds
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
@@ -71,6 +72,7 @@ class Engine:
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
         self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
+        self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
                                open_disk_tier(disk_cache, self.ctx, swa_full))
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
@@ -289,6 +291,7 @@ class Engine:
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
         job.pending = prompt[n:]
+        job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if self._cut_ubatch and job.request.prefill_cuts else []
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -299,7 +302,9 @@ class Engine:
     def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
         """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
         n = min(common_prefix(s.tokens, prompt), cap)
-        return n if kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
+        # none under a tenth of the prompt, as llama-server (--slot-prompt-similarity): it saves next to
+        # nothing, and KV computed in another batch moves the logits off a fresh prefill's (~1 on gemma-3-270m)
+        return n if 10 * n > len(prompt) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""
@@ -367,7 +372,8 @@ class Engine:
             job = s.job
             if room <= 0:
                 break
-            take = job.pending[:room]
+            end = next_end(job.ends, len(s.tokens))
+            take = job.pending[:min(room, end - len(s.tokens)) if end else room]
             room -= len(take)
             undo.append((s, len(s.tokens), [], job.pending))
             last = len(take) == len(job.pending)

@@ -2,7 +2,8 @@
 
 `Reference` owns one Model and one 1-sequence Context; every call clears the memory first, so each
 prompt is decoded as if it were the first thing the context ever saw (no prefix reuse, no batching
-with other sequences, no parked state, no shift, no drafts). `greedy` stops at EOG tokens like the
+with other sequences, no parked state, no shift, no drafts); a sliding-window model's prompt is cut
+into decode calls where llama-server cuts it (runtime/prefill_split.py says why that matters). `greedy` stops at EOG tokens like the
 engine does (unless ignore_eos) and, like it, never picks an image/audio placeholder token;
 `logits` is the row after the prompt. A test checks it against the
 high-level `llama_cpp.Llama` class, which links it to "llama.cpp itself".
@@ -53,6 +54,7 @@ import numpy as np
 
 from localllm.errors import InvalidInput
 from localllm.runtime.llama import Batch, Context, Model
+from localllm.runtime.prefill_split import prefill_ends
 
 __all__ = ["TOL", "Reference", "Verdict", "compare", "drift"]
 
@@ -63,8 +65,9 @@ class Reference:
     """Greedy decoding on a fresh single-sequence context, one prompt at a time."""
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, threads: int | None = None,
-                 n_batch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None) -> None:
-        self.model = Model(model_path)
+                 n_batch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None,
+                 cpu_kernels: str = "auto") -> None:
+        self.model = Model(model_path, cpu_kernels=cpu_kernels)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=1, n_batch=n_batch, n_threads=threads,
                            kv_type=kv_type, flash_attn=flash_attn)
         self.n_ctx = self.ctx.n_ctx
@@ -89,10 +92,15 @@ class Reference:
         out = np.empty((k, self.model.n_vocab), dtype=np.float32)
         first = len(tokens) - k
         b = self._batch
-        for start in range(0, len(tokens), self.n_batch):
+        # a sliding-window model's prompt is cut as llama-server cuts it (runtime/prefill_split.py)
+        ends = prefill_ends(0, len(tokens), self.n_batch) if self.model.n_swa else range(
+            self.n_batch, len(tokens) + self.n_batch, self.n_batch)
+        start = 0
+        for end in ends:
+            end = min(end, len(tokens))
             b.clear()
             want = []
-            for j, t in enumerate(tokens[start:start + self.n_batch]):
+            for j, t in enumerate(tokens[start:end]):
                 pos = start + j
                 row = b.add(int(t), pos, 0, pos >= first)
                 if pos >= first:
@@ -100,6 +108,7 @@ class Reference:
             self.ctx.decode(b)
             for i, row in want:
                 out[i] = self.ctx.logits_row(row)
+            start = end
         return out
 
     def _pick(self, row: np.ndarray) -> int:

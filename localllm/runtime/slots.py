@@ -102,6 +102,7 @@ class Job:
     t_admit: float = 0.0
     t_first: float = 0.0
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
+    ends: list[int] = field(default_factory=list)  # prompt positions where a prefill batch must end
     next_tokens: list[int] = field(default_factory=list)  # sampled, to be decoded next step
     drafts: list[int] = field(default_factory=list)  # speculative tokens after next_tokens, this step only
     spec: SpecState | None = None  # draft length control; None when this request does not speculate

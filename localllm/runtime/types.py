@@ -91,6 +91,9 @@ class Request:
     add_special: bool = True  # BOS as the GGUF asks, exactly once (Model.tokenize): not again if the text has it
     parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
     ignore_eos: bool = False
+    # a sliding-window model's prefill is cut where llama-server cuts a completion's (runtime/prefill_split.py),
+    # so a single request gets its greedy output; False for /infill, which llama-server does not cut
+    prefill_cuts: bool = True
     # speculative decoding, when the engine has a drafter: None = the engine's default, draft_max 0 = off
     draft_max: int | None = None
     draft_min: int | None = None

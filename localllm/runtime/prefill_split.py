@@ -1,0 +1,54 @@
+"""Where a prompt's prefill is cut into decode calls: where llama-server cuts it.
+
+Why the cuts matter. llama.cpp's CPU flash attention runs a batch of fewer than 64 query rows through
+another kernel (row by row, F16 accumulation) than a bigger one (tiled), so which prompt tokens went
+through a small batch changes the logits — on gemma-3-270m by up to 1.1 logits on a 1000-token prompt,
+enough to flip a near-tie — while the sizes of the big batches do not (measured: 1000 tokens as one
+batch, as 512 + 488 and as 484 + 512 give bit-identical logits once the last 4 are split off; so do
+ubatches of 512, 1024 and 2048 on prompts of 600 to 4000 tokens, at the same speed).
+
+What llama-server does. For a sliding-window model it decodes the last 4 + n_ubatch and the last 4
+prompt tokens of a completion in batches of their own, to leave context checkpoints behind
+(tools/server/server-context.cpp, "process the last few tokens of the prompt separately", llama.cpp
+PR 20288); each server batch (-b, 2048) is split into n_ubatch pieces by llama_decode. Its /infill
+and embeddings do not cut. `prefill_ends` replays that plan so that a single request gets
+llama-server's greedy output; the extra decode call of 4 tokens costs one decode step of TTFT.
+
+Not replayed: the extra cuts llama-server makes at user-message starts of a chat (message spans),
+and the cuts it makes for recurrent and hybrid models.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+__all__ = ["CHECKPOINT_TAIL", "SERVER_N_BATCH", "next_end", "prefill_ends"]
+
+SERVER_N_BATCH = 2048  # llama-server's default -b/--batch-size
+CHECKPOINT_TAIL = 4  # tokens llama-server decodes last on their own (its checkpoint offsets: 4 + n_ubatch, 4)
+
+
+def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BATCH) -> list[int]:
+    """The exclusive end positions of llama-server's decode ubatches for prompt tokens [start, end)
+    of a sliding-window model: server batches of up to n_batch, cut when 4 + n_ubatch or 4 tokens
+    remain, each split into n_ubatch pieces."""
+    if not (0 <= start <= end and n_ubatch > 0 and n_batch > 0):
+        raise ValueError(f"bad prefill range [{start}, {end}) or batch sizes {n_batch}/{n_ubatch}")
+    tails = {min(n_batch, CHECKPOINT_TAIL + n_ubatch), min(n_batch, CHECKPOINT_TAIL)}
+    ends: list[int] = []
+    pos = start
+    while pos < end:
+        first = pos
+        pos += 1  # the server adds a token, then asks whether to stop filling this batch
+        while pos < end and pos - first < n_batch and end - pos not in tails:
+            pos += 1
+        ends += range(first + n_ubatch, pos, n_ubatch)  # llama_decode's ubatches
+        ends.append(pos)
+    return ends
+
+
+def next_end(ends: list[int], pos: int) -> int | None:
+    """The first cut after position `pos`, or None."""
+    i = bisect.bisect_right(ends, pos)
+    return ends[i] if i < len(ends) else None
+
