@@ -141,7 +141,7 @@ def test_bench_fuzz_cli(swa_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     real = Context.seq_rm  # the broken engine of test_fuzz_catches_a_broken_engine
     monkeypatch.setattr(Context, "seq_rm", lambda self, seq, p0=-1, p1=-1: (
         real(self, seq, p0, p1) and (p0 <= 0 or real(self, seq, 0, 1) or True)))
-    res = CliRunner().invoke(cli, ["bench", str(swa_path), "--fuzz", "1", "--seed", "4", "--ctx", "512"])
+    res = CliRunner().invoke(cli, ["bench", str(swa_path), "--fuzz", "3", "--seed", "2", "--ctx", "512"])
     assert res.exit_code == 1, res.output
     assert "probes checked" in res.output and "mismatch (" in res.output
 
