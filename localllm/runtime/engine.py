@@ -302,9 +302,9 @@ class Engine:
     def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
         """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
         n = min(common_prefix(s.tokens, prompt), cap)
-        # none under a tenth of the prompt, as llama-server (--slot-prompt-similarity): it saves next to
-        # nothing, and KV computed in another batch moves the logits off a fresh prefill's (~1 on gemma-3-270m)
-        return n if 10 * n > len(prompt) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
+        # none under 64 tokens and a tenth of the prompt (llama-server: --slot-prompt-similarity): it saves next to
+        # nothing, and KV from a small batch elsewhere moves the logits off a fresh prefill's (~1 on gemma-3-270m)
+        return n if (n >= 64 or 10 * n > len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""

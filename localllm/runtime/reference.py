@@ -3,10 +3,11 @@
 `Reference` owns one Model and one 1-sequence Context; every call clears the memory first, so each
 prompt is decoded as if it were the first thing the context ever saw (no prefix reuse, no batching
 with other sequences, no parked state, no shift, no drafts); a sliding-window model's prompt is cut
-into decode calls where llama-server cuts it (runtime/prefill_split.py says why that matters). `greedy` stops at EOG tokens like the
-engine does (unless ignore_eos) and, like it, never picks an image/audio placeholder token;
-`logits` is the row after the prompt. A test checks it against the
-high-level `llama_cpp.Llama` class, which links it to "llama.cpp itself".
+into decode calls where llama-server cuts it (runtime/prefill_split.py says why that matters).
+`greedy` stops at EOG tokens like the engine does (unless ignore_eos) and, like it, never picks an
+image/audio placeholder token; `logits` is the row after the prompt. A test checks it against the
+high-level `llama_cpp.Llama` class, which links it to "llama.cpp itself" (that class does not cut, and
+on the tiny test models the greedy tokens agree; tests/test_prefill_split.py checks the cuts).
 
 `compare` says whether an engine's greedy output is the reference's, honestly:
 
