@@ -167,6 +167,19 @@ def test_parked_state_is_restored(tiny_path: Path) -> None:
             assert fresh.generate(Request(a + ra.tokens + [300], GREEDY, max_tokens=5)).tokens == r.tokens
 
 
+def test_a_parked_prefix_too_short_to_reuse_is_not_restored(tiny_path: Path) -> None:
+    """A parked state sharing 30 tokens with a 630-token prompt (under 64 and a tenth of it) is left
+    parked: it used to be restored and then cut away, with nothing reused."""
+    with Engine(tiny_path, n_ctx=2048, slots=1, min_park_tokens=32) as e:
+        shared = [7 + i % 50 for i in range(30)]
+        e.generate(Request(shared + [300 + i % 40 for i in range(40)], GREEDY, max_tokens=5))
+        e.generate(Request("something else entirely", GREEDY, max_tokens=5))
+        assert e.stats()["parked"] == 1
+        r = e.generate(Request(shared + [100 + i % 90 for i in range(600)], GREEDY, max_tokens=2))
+        assert r.usage.cached_tokens == 0
+        assert e.stats()["restored"] == 0 and e.stats()["parked_states"] == 1
+
+
 def test_restoring_while_the_state_cache_is_full(tiny_path: Path) -> None:
     """Parking the slot's current history can evict the very state being restored (room for one):
     the state is taken out first, so the request is served instead of failing with a KeyError."""

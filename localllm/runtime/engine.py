@@ -29,7 +29,7 @@ from localllm.runtime.drafting import collect_drafts, settle_drafts
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.parking import Parking, open_disk_tier
 from localllm.runtime.prefill_split import next_end, prefill_ends
-from localllm.runtime.prefix_cache import common_prefix, kv_holds
+from localllm.runtime.prefix_cache import common_prefix, kv_holds, worth_reusing
 from localllm.runtime.sampling import build_chain, grammar_for, validate
 from localllm.runtime.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.speculative import SpecConfig, SpecState, verify
@@ -291,7 +291,8 @@ class Engine:
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
         job.pending = prompt[n:]
-        job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if self._cut_ubatch and job.request.prefill_cuts else []
+        cut = self._cut_ubatch and job.request.prefill_cuts
+        job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -302,9 +303,8 @@ class Engine:
     def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
         """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
         n = min(common_prefix(s.tokens, prompt), cap)
-        # none under 64 tokens and a tenth of the prompt (llama-server: --slot-prompt-similarity): it saves next to
-        # nothing, and KV from a small batch elsewhere moves the logits off a fresh prefill's (~1 on gemma-3-270m)
-        return n if (n >= 64 or 10 * n > len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa) else 0
+        ok = worth_reusing(n, len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa)
+        return n if ok else 0
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""

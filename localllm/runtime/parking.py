@@ -16,7 +16,7 @@ import llama_cpp
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.llama import Context
-from localllm.runtime.prefix_cache import StateLRU
+from localllm.runtime.prefix_cache import StateLRU, worth_reusing
 from localllm.runtime.slots import Slot
 from localllm.runtime.state_disk import DiskStates
 
@@ -86,13 +86,14 @@ class Parking:
                 s.tokens = []
 
     def best(self, prompt: Sequence[int], cap: int) -> tuple[str, tuple[int, ...] | None, int]:
-        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`."""
-        key, n = self.ram.best(prompt, self.n_swa, cap)
+        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`; a
+        length not worth reusing (prefix_cache.worth_reusing) counts as none."""
+        tier, (key, n) = "ram", self.ram.best(prompt, self.n_swa, cap)
         if self.disk is not None:
             dkey, dn = self.disk.best(prompt, self.n_swa, cap)
             if dn > n:
-                return "disk", dkey, dn
-        return "ram", key, n
+                tier, key, n = "disk", dkey, dn
+        return (tier, key, n) if worth_reusing(n, len(prompt)) else (tier, None, 0)
 
     def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
         """The state to restore: removed from RAM (the slot holds it now), read and checked from disk."""

@@ -14,8 +14,10 @@ PR 20288); each server batch (-b, 2048) is split into n_ubatch pieces by llama_d
 and embeddings do not cut. `prefill_ends` replays that plan so that a single request gets
 llama-server's greedy output; the extra decode call of 4 tokens costs one decode step of TTFT.
 
-Not replayed: the extra cuts llama-server makes at user-message starts of a chat (message spans),
-and the cuts it makes for recurrent and hybrid models.
+Parity is with a default llama-server: with --swa-full it does not cut (localllm cuts whatever its own
+swa_full, which it keeps on for prefix reuse). Not replayed: the extra cuts llama-server makes at the
+user-message starts of a chat prompt (message spans from the chat template), and the cuts it makes for
+recurrent and hybrid models; so the parity shown is for prompts sent as text or tokens (/completion).
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BA
     pos = start
     while pos < end:
         first = pos
-        pos += 1  # the server adds a token, then asks whether to stop filling this batch
-        while pos < end and pos - first < n_batch and end - pos not in tails:
-            pos += 1
+        # the server adds a token, then stops filling when the batch is full or exactly a tail remains
+        pos = min([end, first + n_batch] + [end - t for t in tails if end - t > first])
         ends += range(first + n_ubatch, pos, n_ubatch)  # llama_decode's ubatches
         ends.append(pos)
     return ends
