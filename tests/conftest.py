@@ -18,13 +18,27 @@ os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before any test loads a model: the launcher of processes free of the AMX guard (cleanproc.py)."""
+    import cleanproc
+
+    cleanproc.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import cleanproc
+
+    cleanproc.stop()
+
+
 @pytest.fixture(autouse=True)
 def localllm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "localllm-home"
     monkeypatch.setenv("LOCALLLM_HOME", str(home))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: fails fast, never leaves the host
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    for var in [v for v in os.environ if v.startswith("LOCALLLM_") and v != "LOCALLLM_HOME"]:
+    # LOCALLLM_AMX_GUARD stays: it says this process has the AMX guard (runtime/cpu_guard.py), which it keeps
+    for var in [v for v in os.environ if v.startswith("LOCALLLM_") and v not in ("LOCALLLM_HOME", "LOCALLLM_AMX_GUARD")]:
         monkeypatch.delenv(var, raising=False)
     return home
 

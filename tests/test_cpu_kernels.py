@@ -3,7 +3,9 @@ builds, the seccomp guard for real in child processes, models loading and genera
 under every mode, the setting, and `localllm doctor`.
 
 The guard and llama.cpp's list of CPU buffer types are per process and permanent, so everything that
-installs the guard or loads a model under a mode runs in a fresh child process.
+installs the guard or loads a model under a mode runs in a fresh child process, started by the session's
+launcher (cleanproc.py): on an AMX machine this test process has the guard by then, and its own children
+would inherit it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import cleanproc
 import pytest
 from click.testing import CliRunner
 
@@ -191,11 +194,14 @@ def test_doctor_says_the_mode(setting: str | None, monkeypatch: pytest.MonkeyPat
 # ---- the guard, for real, in child processes --------------------------------------------------------
 
 def child(code: str, *args: str, debug: bool = False) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_DEBUG"}
+    """Run `code` in a Python process free of the AMX guard (cleanproc.py), with this process's environment
+    less the variables that would change what it sees."""
+    from localllm.runtime.cpu_guard import GUARD_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCALLLM_DEBUG", GUARD_ENV)}
     if debug:
         env["LOCALLLM_DEBUG"] = "1"  # llama.cpp's log on stderr: it names the buffers it made
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], check=False, capture_output=True,
-                          text=True, env=env, timeout=120)
+    return cleanproc.run([sys.executable, "-c", textwrap.dedent(code), *args], env, timeout=120)
 
 
 def last_json(out: subprocess.CompletedProcess[str]) -> Any:
@@ -218,7 +224,8 @@ def test_guard_refuses_only_the_amx_request() -> None:
         r["after"], r["fs_after"], r["perm"] = g.request_amx(), get_fs(), g.amx_permitted()
         r["status"] = [l for l in open("/proc/self/status") if l.startswith(("Seccomp:", "NoNewPrivs:"))]
         kid = subprocess.run([sys.executable, "-c", "from localllm.runtime import cpu_guard as g; "
-                              "print(*g.request_amx())"], capture_output=True, text=True)
+                              "print(*g.request_amx(), g.installed(), g.start_load('all', 'r')[0])"],
+                             capture_output=True, text=True)
         r["child"] = kid.stdout.split()
         print(json.dumps(r))
     """)
@@ -229,7 +236,8 @@ def test_guard_refuses_only_the_amx_request() -> None:
     assert r["fs_after"][0] == 0 and r["fs_after"] == r["fs_before"]  # other arch_prctl calls untouched
     assert r["perm"] is not None  # ARCH_GET_XCOMP_PERM (0x1022) still answers
     assert sorted(s.split()[1] for s in r["status"]) == ["1", "2"]  # NoNewPrivs 1, Seccomp 2 (filter)
-    assert r["child"] == ["-1", str(errno.EPERM)]  # children started afterwards inherit it
+    # children started afterwards inherit it, and know it (cpu_guard.GUARD_ENV): "all" is not what they get
+    assert r["child"] == ["-1", str(errno.EPERM), "True", "no-amx"]
 
 
 @needs_linux_x86
@@ -299,13 +307,19 @@ def test_no_amx_keeps_cpu_repack(tiny_path: Path, tmp_path: Path) -> None:
     if "REPACK = 1" not in child("import llama_cpp; print(llama_cpp.llama_print_system_info())").stdout:
         pytest.skip("this llama.cpp build has no CPU_REPACK")
     seen = {}
-    for mode in kernels.MODES:
+    for mode in ("no-amx", "none"):
         out = child(GENERATE, str(q4), mode, debug=True)
         seen[mode] = (last_json(out)[0]["mode"], "CPU_REPACK model buffer" in out.stderr,
                       "AMX model buffer" in out.stderr)
     assert seen["no-amx"] == ("no-amx", True, False)
     assert seen["none"] == ("none", False, False)
-    assert seen["all"][0] == "all" and (seen["all"][1] or seen["all"][2])  # AMX may take them on an AMX machine
+    out = child(GENERATE, str(q4), "all", debug=True)
+    if "AMX model buffer" in out.stderr and out.returncode < 0:
+        # AMX took the Q4_0 weights and its matmul crashed: llama.cpp issue 20824, the reason "auto" keeps AMX
+        # out (seen on a Sapphire Rapids Xeon: SIGSEGV in the first decode). Nothing more to check here.
+        return
+    assert last_json(out)[0]["mode"] == "all"
+    assert "CPU_REPACK model buffer" in out.stderr or "AMX model buffer" in out.stderr  # AMX may take them
 
 
 # ---- the probe and the remembered verdict --------------------------------------------------------------
@@ -325,20 +339,47 @@ def test_runtime_choice_uses_the_remembered_verdict(monkeypatch: pytest.MonkeyPa
     assert cpu_guard.choose("auto", BUILD_AMX).mode == safe
 
 
+PROBE = """
+    import json, sys
+    from localllm.runtime import cpu_guard
+    try:
+        print(json.dumps(cpu_guard.probe(sys.argv[1], tokens=8, modes=tuple(sys.argv[2:4]),
+                                         require_amx=sys.argv[4] == "amx")))
+    except RuntimeError as exc:
+        print(json.dumps(["error", str(exc)]))
+"""
+
+
 @needs_linux_x86
 def test_probe_verdicts(tiny_path: Path) -> None:
-    from localllm.runtime import cpu_guard
+    def probe(*modes: str, amx: str = "any") -> list[str]:  # in a process free of the guard, as doctor runs it
+        return last_json(child(PROBE, str(tiny_path), *modes, amx))
 
-    verdict, detail = cpu_guard.probe(str(tiny_path), tokens=8, modes=("all", "none"), require_amx=False)
+    verdict, detail = probe("all", "none")
     assert verdict == "ok" and "first 8 of 8" in detail
     # the run under test fails (here: a mode the runtime refuses) while the reference works: "crash"
-    verdict, detail = cpu_guard.probe(str(tiny_path), tokens=8, modes=("bogus", "none"), require_amx=False)
+    verdict, detail = probe("bogus", "none")
     assert verdict == "crash" and "bogus run exited with 1" in detail
-    with pytest.raises(RuntimeError, match="exited"):  # the reference failed: nothing learned about AMX
-        cpu_guard.probe(str(tiny_path), tokens=8, modes=("none", "bogus"), require_amx=False)
+    verdict, detail = probe("none", "bogus")  # the reference failed: nothing learned about AMX
+    assert verdict == "error" and "exited" in detail
     if not (kernels.cpu_has_amx(cpu_info()[1])):
-        with pytest.raises(RuntimeError, match="did not use AMX"):
-            cpu_guard.probe(str(tiny_path), tokens=8)
+        verdict, detail = probe("all", "no-amx", amx="amx")
+        assert verdict == "error" and "did not use AMX" in detail
+
+
+@needs_linux_x86
+def test_a_guarded_process_refuses_to_probe(tiny_path: Path) -> None:
+    """The probe's children would inherit the guard: a process that has it, or inherited it, says so."""
+    out = child("""
+        import os, sys
+        from localllm.runtime import cpu_guard
+        cpu_guard.install()
+        try:
+            cpu_guard.probe(sys.argv[1], tokens=2, modes=("all", "none"), require_amx=False)
+        except RuntimeError as exc:
+            print(exc)
+    """, str(tiny_path))
+    assert "keeps AMX out" in out.stdout, out.stderr[-2000:]
 
 
 def test_doctor_probe_without_amx(tiny_path: Path) -> None:
@@ -350,3 +391,23 @@ def test_doctor_probe_without_amx(tiny_path: Path) -> None:
     res = CliRunner().invoke(cli, ["doctor", "--probe-amx", str(tiny_path)])
     assert res.exit_code == 0, res.output
     assert "nothing to probe" in res.output
+
+
+@needs_linux_x86
+def test_llama_class_loads_apply_the_kernel_choice(tiny_path: Path) -> None:
+    """The embedder and the bench baseline load through llama_cpp.Llama, not runtime/llama.py's Model: they
+    too must apply the cpu_kernels choice before loading (issue 34: on an AMX Xeon the first /v1/embeddings
+    took AMX's kernels and segfaulted the server)."""
+    for make in ("from localllm.runtime.embed import Embedder; Embedder(sys.argv[1], n_ctx=256, threads=1)",
+                 "from localllm.runtime.baseline import LlamaBaseline; LlamaBaseline(sys.argv[1], n_ctx=256, threads=1)"):
+        out = last_json(child(f"""
+            import json, sys
+            from localllm.runtime import cpu_guard
+            from localllm.runtime.llama import system_info
+            mode = cpu_guard.choose("auto", system_info()).mode
+            {make}
+            print(json.dumps([mode, cpu_guard.models_loaded(), cpu_guard.installed()]))
+        """, str(tiny_path)))
+        mode, loaded, guarded = out
+        assert loaded is True, make  # the load was counted: the guard had its chance first
+        assert guarded is (mode == "no-amx"), make

@@ -57,8 +57,12 @@ def first_logprob(model: Model, tokens: list[int], ends: list[int], token: int) 
 
 @pytest.mark.slow
 def test_a_request_is_prefilled_in_llama_servers_batches(gemma_file: Path) -> None:
-    """The first token's logprob is bit-identical to a fresh context fed llama-server's batches, and
-    differs from one prompt batch (so the cut is what makes the difference)."""
+    """The first token's logprob is bit-identical to a fresh context fed llama-server's batches, and for
+    the 530-token prompt differs from plain 512-token ubatches (so the cut is what makes the difference:
+    14 + 512 + 4 rows against 512 + 18, on both sides of the 64-row line between llama.cpp's two CPU flash
+    attention kernels). For the 12-token prompt both cuts stay under that line: 8 + 4 rows and 12 rows
+    differed on AVX2 and AMD AVX-512 builds but were bit-identical on an AMX Xeon's (issue 34), so no
+    difference is asserted there."""
     with Engine(gemma_file, n_ctx=2048, slots=2, threads=2, cpu_kernels=KERNELS) as e:
         long_text = " ".join(f"item {i}," for i in range(400))
         for text in (YEAR, long_text):
@@ -66,7 +70,8 @@ def test_a_request_is_prefilled_in_llama_servers_batches(gemma_file: Path) -> No
             got = e.generate(Request(toks, GREEDY, max_tokens=1, n_probs=0))
             tok = got.tokens[0]
             assert got.probs[0].logprob == first_logprob(e.model, toks, prefill_ends(0, len(toks), 512), tok)
-            assert got.probs[0].logprob != first_logprob(e.model, toks, [min(512, len(toks)), len(toks)], tok)
+            if len(toks) > 512:
+                assert got.probs[0].logprob != first_logprob(e.model, toks, [512, len(toks)], tok)
         # /infill is not cut by llama-server: a request that says so is prefilled in plain ubatches
         toks = e.tokenize(YEAR)
         req = Request(toks, GREEDY, max_tokens=1, n_probs=0, prefill_cuts=False)

@@ -157,16 +157,29 @@ def test_cli_quantize_and_dequantize(tiny: Path, tmp_path: Path, monkeypatch: py
 
 @pytest.mark.slow
 def test_gemma_dequantize_generates_same_text(tmp_path: Path, gemma_file: Path) -> None:
-    GEMMA = gemma_file
-    import llama_cpp
+    """The F16 file holds every weight of the Q4_K_M one rounded to the nearest half (within half an F16
+    unit in the last place), and answers the same question. Its text is not asserted equal to the Q4_K_M
+    file's: llama.cpp multiplies F16 weights by F16 activations and quantized ones by 8-bit-quantized
+    activations, other numerics, so greedy text may part at a near-tie (issue 34)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
 
-    f16 = dequantize_to_f16(GEMMA, tmp_path / "gemma-f16.gguf")  # ~20 s: the 262k-token vocab
+    from localllm.runtime.reference import Reference
+
+    f16 = dequantize_to_f16(gemma_file, tmp_path / "gemma-f16.gguf")  # ~20 s: the 262k-token vocab
     assert read_gguf(f16).get("general.file_type") == 1
+    quantized, plain = gguf.GGUFReader(gemma_file), gguf.GGUFReader(f16)
+    halves = {t.name: t for t in plain.tensors}
+    assert sorted(halves) == sorted(t.name for t in quantized.tensors)
+    for t in quantized.tensors:
+        h = halves[t.name]
+        assert h.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32), t.name
+        want = dequantize(t.data, t.tensor_type).astype(np.float32)
+        got = dequantize(h.data, h.tensor_type).astype(np.float32)
+        assert np.allclose(got, want, rtol=2.0 ** -11, atol=2.0 ** -24), t.name
     texts = []
-    for path in (GEMMA, f16):
-        m = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
-        out = m.create_completion("The capital of France is", max_tokens=8, temperature=0)
-        texts.append(out["choices"][0]["text"])
-        del m
-    assert "Paris" in texts[0] or "France" in texts[0]
-    assert texts[0].split()[:3] == texts[1].split()[:3]
+    for path in (gemma_file, f16):  # through runtime/llama.py, whose loads keep AMX out where it would crash
+        with Reference(path, n_ctx=256, threads=2) as ref:
+            texts.append(ref.model.detokenize(ref.greedy(ref.tokenize("The capital of France is"), 8)))
+    assert all("Paris" in t or "France" in t for t in texts), texts

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import assert_like_reference
 from tinymodel import make_tiny_gguf
 
 from localllm.errors import ContextOverflow, InvalidInput, ModelLoadError
@@ -183,7 +184,8 @@ def test_prompts_too_big_together_fail_with_clear_error(tiny_path: Path) -> None
 
 def test_shift_does_not_disturb_a_sequence_sharing_its_prefix(tiny_path: Path) -> None:
     # B copies A's 300-token prefix (seq_cp: the cells are shared), then must shift while A runs.
-    # Moving shared cells would change A's positions; A's output must equal A alone.
+    # Moving shared cells would change A's positions; A's output must be what A alone gets: the fresh
+    # reference's, up to near-ties (A decodes beside B, 2 rows a step, alone it decodes 1: other kernels).
     system = [1] + [300 + (i * 7) % 150 for i in range(299)]
     a_req = Request(system + [450], GREEDY, max_tokens=150)
     with Engine(tiny_path, n_ctx=512, slots=2) as e:
@@ -195,5 +197,4 @@ def test_shift_does_not_disturb_a_sequence_sharing_its_prefix(tiny_path: Path) -
         rb = b.result()
         assert e.stats()["copied_prefix"] == 1
         assert any(n.kind == "context_shift" for n in rb.notices) and len(rb.tokens) == 300
-    with Engine(tiny_path, n_ctx=512, slots=1) as alone:
-        assert alone.generate(a_req).tokens == a_tokens
+    assert_like_reference(tiny_path, a_req.prompt, a_tokens, n=150, n_ctx=512)

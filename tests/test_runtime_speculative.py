@@ -9,12 +9,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import assert_like_reference
 from tinymodel import make_tiny_gguf
 
 from localllm.errors import InvalidInput
 from localllm.runtime.drafters import PromptLookup
 from localllm.runtime.engine import Engine
-from localllm.runtime.llama import Batch, Context, Model
+from localllm.runtime.llama import Model
 from localllm.runtime.speculative import SpecConfig, SpecState, StepCost, plan_length, verify
 from localllm.runtime.types import GenerationParams, Request
 
@@ -37,23 +38,14 @@ def generate(path: Path, spec: SpecConfig | None, prompts: list[str], params: Ge
 
 
 def assert_same_or_tie(path: Path, prompt: str, plain: list[int], drafted: list[int]) -> None:
-    """Token for token equal; a divergence is allowed only at a numerical near-tie of the target's logits
-    (batched and single-row kernels round differently, see the llama.cpp notes)."""
+    """Token for token equal, or both the fresh reference's greedy output up to near-ties: drafted steps
+    verify several rows per batch where plain ones decode one (other kernels, issue 34)."""
     if plain == drafted:
         return
-    i = next(i for i, (a, b) in enumerate(zip(plain, drafted, strict=True)) if a != b)
     m = Model(path)
-    ctx = Context(m, n_ctx=1024, n_threads=2)
-    b = Batch(512)
-    seq = m.tokenize(prompt) + plain[:i]
-    for j, t in enumerate(seq):
-        b.add(t, j, 0, j == len(seq) - 1)
-    ctx.decode(b)
-    row = ctx.logits_row(len(seq) - 1)
-    gap = float(row[plain[i]] - row[drafted[i]])
-    b.close()
-    ctx.close()
-    assert gap < 0.02, f"diverged at token {i} with a logit gap of {gap}: not a tie"
+    ids = m.tokenize(prompt)
+    m.close()
+    assert_like_reference(path, ids, plain, drafted, n=max(len(plain), len(drafted)))
 
 
 # ---- pure parts ----------------------------------------------------------------------------------

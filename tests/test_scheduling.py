@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import TINY, Server
+from helpers import TINY, Server, assert_like_reference
 
 from localllm.runtime.engine import Engine
 from localllm.runtime.types import GenerationParams, Request
@@ -139,8 +139,8 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_generate(tiny_path: Pat
         assert max(sizes) <= 1 + 64  # the stream's token and at most 64 of the prompt, every step
     else:
         assert max(sizes) >= 1 + 400  # without a cap the prompt takes what n_batch leaves
-    with Engine(tiny_path, n_ctx=2048, slots=1, threads=2, state_cache_bytes=0) as fresh:
-        assert fresh.generate(Request(long, GREEDY, max_tokens=4, ignore_eos=True)).tokens == r.tokens
+    # its prompt ran in other batches beside the stream: the reference's answer up to near-ties
+    assert_like_reference(tiny_path, long, r.tokens, n=4, ignore_eos=True, n_ctx=2048)
 
 
 def test_alone_a_long_prompt_fills_the_whole_batch(tiny_path: Path) -> None:

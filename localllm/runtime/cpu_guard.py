@@ -7,7 +7,9 @@ filter that answers exactly that call with EPERM, installed before the first loa
 CPU_REPACK in (machine/kernels.py says when that is wanted). The filter is permanent and covers every
 thread (SECCOMP_FILTER_FLAG_TSYNC) and the children this process starts; it needs PR_SET_NO_NEW_PRIVS,
 which is also permanent (setuid programs started from here gain no privileges). Every other syscall,
-and every other arch_prctl (ARCH_GET_FS, ARCH_GET_XCOMP_PERM, ...), is untouched.
+and every other arch_prctl (ARCH_GET_FS, ARCH_GET_XCOMP_PERM, ...), is untouched. A child cannot see a
+filter it inherited, so install() also sets GUARD_ENV in the environment children get, and `installed()`
+answers True there too.
 
 ctypes on libc only: llama.cpp itself is reached through runtime/llama.py, which hands in its system info.
 """
@@ -57,6 +59,7 @@ _lock = threading.Lock()
 _start_lock = threading.Lock()
 _installed = False
 _failure: str | None = None
+GUARD_ENV = "LOCALLLM_AMX_GUARD"  # "1" in the environment of a guarded process and of its children
 _loads = 0
 
 
@@ -93,8 +96,8 @@ def install() -> bool:
     Call it before the first model load: llama.cpp's list of buffer types is built then and kept."""
     global _installed, _failure
     with _lock:
-        if _installed or _failure is not None:
-            return _installed
+        if installed() or _failure is not None:
+            return installed()
         if not supported():
             _failure = f"the guard exists only on Linux x86_64, not {platform.system()} {platform.machine()}"
             return False
@@ -119,12 +122,13 @@ def install() -> bool:
             _failure = f"seccomp filter refused: {why}"
             return False
         _installed = True
+        os.environ[GUARD_ENV] = "1"
         return True
 
 
 def installed() -> bool:
-    """Whether this process has the guard (installed by install())."""
-    return _installed
+    """Whether this process has the guard: installed here, or inherited from the process that started it."""
+    return _installed or os.environ.get(GUARD_ENV) == "1"
 
 
 def failure() -> str | None:
@@ -184,9 +188,9 @@ def start_load(mode: str, reason: str) -> tuple[str, str]:
     fixed, so the only safe answer left is "none" (use_extra_bufts off for this model), logged."""
     off = "so extra buffer types are off for this model (no AMX, no CPU_REPACK)"
     with _start_lock:  # deciding and counting the load are one step: a concurrent load cannot slip between
-        if mode == "all" and _installed:
+        if mode == "all" and installed():
             mode, reason = "no-amx", "AMX is kept out of this process (an earlier load installed the guard)"
-        elif mode == "no-amx" and not _installed:
+        elif mode == "no-amx" and not installed():
             if models_loaded():
                 mode, reason = "none", f"a model was loaded here before AMX could be kept out alone, {off}"
             elif not install():
@@ -230,7 +234,7 @@ def probe(model_path: str, *, tokens: int = 32, timeout: float = 300.0, min_agre
     import subprocess
     import sys
 
-    if _installed:
+    if installed():
         raise RuntimeError("this process keeps AMX out (the guard), and so would the probe's children")
 
     def run(mode: str) -> tuple[dict | None, str]:  # (result, why it failed)

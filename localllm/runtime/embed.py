@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from localllm.errors import InvalidInput, ModelLoadError
-from localllm.runtime.llama import clean_text
+from localllm.runtime.llama import clean_text, kernels_for_load
 
 
 class Embedder:
@@ -20,6 +20,7 @@ class Embedder:
     def __init__(self, model_path: str | Path, *, n_ctx: int = 2048, threads: int | None = None) -> None:
         import llama_cpp
 
+        kernels_for_load()  # AMX kept out where it would crash, as for every load
         try:
             self._llm = llama_cpp.Llama(model_path=str(model_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx,
                                         n_ubatch=n_ctx, n_threads=threads, verbose=False,

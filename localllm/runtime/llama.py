@@ -108,6 +108,19 @@ def system_info() -> str:
     return (lc.llama_print_system_info() or b"").decode("utf-8", "replace")
 
 
+def kernels_for_load(cpu_kernels: str = "auto") -> tuple[str, str]:
+    """(mode in effect, why) for a model load about to start in this process: the cpu_kernels setting
+    resolved for this machine (machine/kernels.py) and applied (the AMX guard where it is wanted). Every load
+    goes through it, the Llama class's too (runtime/embed.py, baseline.py): a first load that skipped it
+    takes llama.cpp's AMX kernels where they exist, and their matmul crashes on some Xeons (issue 34: a
+    Sapphire Rapids segfaulted in the first embedding)."""
+    try:
+        choice = cpu_guard.choose(cpu_kernels, system_info())
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    return cpu_guard.start_load(choice.mode, choice.reason)
+
+
 class Model:
     """A loaded GGUF model and its vocabulary. Read-only after load: safe to share between threads.
 
@@ -120,16 +133,12 @@ class Model:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
-        try:
-            choice = cpu_guard.choose(cpu_kernels, system_info())  # machine/kernels.py for this machine
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from None
         params = lc.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers = int(n_gpu_layers)
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if use_mmap else lc.LLAMA_LOAD_MODE_NONE
         self._devices = rpc_workers.devices(rpc) if rpc else None  # offload to RPC workers; kept past the load
         params.devices = ctypes.cast(self._devices, ctypes.c_void_p) if rpc else params.devices
-        self.cpu_kernels, self.cpu_kernels_reason = cpu_guard.start_load(choice.mode, choice.reason)
+        self.cpu_kernels, self.cpu_kernels_reason = kernels_for_load(cpu_kernels)
         params.use_extra_bufts = self.cpu_kernels != "none"
         self._p = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._p:
