@@ -79,7 +79,7 @@ def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("script")
     info, server, thread = start_server(root)
     for name, script in (("thinker", THINKER), ("caller", CALLER)):
-        install(info.app.state.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
+        install(info.app.state.server.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
     yield info
     server.should_exit = True
     thread.join(timeout=20)

@@ -64,7 +64,7 @@ class Server:
 
     @property
     def pool(self) -> Any:
-        return self.app.state.pool
+        return self.app.state.server.pool
 
 
 def free_port() -> int:

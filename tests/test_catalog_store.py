@@ -303,7 +303,7 @@ def test_http_copy_onto_an_existing_name(srv: object) -> None:
     from helpers import TINY, install
     from tinymodel import make_tiny_gguf
 
-    store = srv.app.state.store  # type: ignore[attr-defined]
+    store = srv.app.state.server.store  # type: ignore[attr-defined]
     client = ollama.Client(host=srv.url, timeout=60)  # type: ignore[attr-defined]
     other = srv.root / "other.gguf"  # type: ignore[attr-defined]
     install(store, make_tiny_gguf(other, seed=7), "other:1")

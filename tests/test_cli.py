@@ -12,7 +12,7 @@ import pytest
 
 
 def localllm(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "localllm", *args], check=False, capture_output=True, text=True,
                           input=stdin, timeout=timeout, env=os.environ.copy())
 
 
@@ -22,7 +22,7 @@ def test_help_is_lazy_and_lists_commands() -> None:
             "try:\n    c.main()\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('llama_cpp', 'textual', 'fastapi', 'huggingface_hub', 'numpy', 'rich') if m in sys.modules]\n"
             "print('HEAVY', heavy)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in out.stdout, out.stdout
     for cmd in ("pull", "list", "show", "rm", "cp"):
         assert f"  {cmd} " in out.stdout

@@ -19,6 +19,7 @@ from helpers import TINY, Server, wait_idle
 from scriptmodel import CALLER_CALL, THINKER_REPLY, WEATHER_TOOL
 
 from localllm.compose.reply import Delta
+from localllm.errors import EngineError
 from localllm.runtime.types import Chunk, Usage
 from localllm.server.responses import Output, events, response_base
 from localllm.server.responses_wire import ResponsesRequest
@@ -286,7 +287,7 @@ class _FailingGeneration:
 
     async def replies(self) -> AsyncIterator[tuple[Chunk, list[Delta]]]:
         yield Chunk(text="The", tokens=[1]), [Delta("content", "The")]
-        yield Chunk(finish_reason="error", error=RuntimeError("the runner died"), usage=Usage(5, 1, 0)), []
+        yield Chunk(finish_reason="error", error=EngineError("the runner died"), usage=Usage(5, 1, 0)), []
 
 
 def test_error_mid_stream_is_an_error_event_then_failed() -> None:

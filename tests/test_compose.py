@@ -11,8 +11,9 @@ import pytest
 from tinymodel import BOS, EOS, make_tiny_gguf
 
 from localllm.compose.formats import ChatFormat, builtin_format, file_format, raw_format
+from localllm.compose.pipeline import Reply
 from localllm.compose.requests import MAX_TOKENS_PER_CTX, Options, RequestBuilder, max_tokens_for
-from localllm.errors import InvalidInput
+from localllm.errors import ContextOverflow, InvalidInput
 from localllm.runtime.engine import Engine
 from localllm.runtime.templates import render_chat_parts
 from localllm.tui.backend import ChatSettings, EngineBackend
@@ -45,7 +46,8 @@ def test_chat_ui_in_process_no_limit_ends_like_over_http(engine: Any) -> None:
     never samples EOS); over HTTP the same setting became num_predict -1 → n_ctx. Now both are n_ctx."""
     backend = EngineBackend.single(engine, "tiny")
     settings = ChatSettings(max_tokens=None, context_policy="shift", temperature=0.0)
-    _, req = backend.request("tiny", [{"role": "user", "content": "hello"}], settings)
+    _, plan = backend.request("tiny", [{"role": "user", "content": "hello"}], settings)
+    req = plan.request
     assert req.max_tokens == engine.n_ctx
     chunks: list[Any] = []
     t = threading.Thread(target=lambda: chunks.extend(backend.stream("tiny", [{"role": "user", "content": "hello"}],
@@ -59,13 +61,13 @@ def test_chat_ui_in_process_no_limit_ends_like_over_http(engine: Any) -> None:
 
 def test_n_keep_is_the_system_prefix_as_it_appears_in_the_prompt(engine: Any) -> None:
     fmt = builtin_format("chatml", engine.model)
-    req = RequestBuilder(fmt, engine).chat(TURNS, Options())
+    req = RequestBuilder(fmt, engine).chat(TURNS, Options()).request
     parts = render_chat_parts(fmt.template, TURNS, bos_token=fmt.bos_token, eos_token=fmt.eos_token)
     system = engine.tokenize(parts.system_prefix)
     assert req.prompt == engine.tokenize(parts.text) and req.prompt[0] == BOS and req.prompt.count(BOS) == 1
     assert 1 < req.n_keep <= len(system) and req.prompt[:req.n_keep] == system[:req.n_keep]
-    assert req.context_policy == "shift" and req.truncate is not None
-    assert RequestBuilder(fmt, engine).chat(TURNS, Options(n_keep=-1)).n_keep == -1  # the client's word wins
+    assert req.context_policy == "shift"
+    assert RequestBuilder(fmt, engine).chat(TURNS, Options(n_keep=-1)).request.n_keep == -1  # the client's word wins
 
 
 def test_template_bos_and_eos_are_the_models_own(engine: Any) -> None:
@@ -73,7 +75,7 @@ def test_template_bos_and_eos_are_the_models_own(engine: Any) -> None:
     that closes each assistant turn. Now both are the model's tokens, and BOS still comes once."""
     fmt = ChatFormat(MISTRAL_LIKE, "gguf", bos_token=builtin_format("plain", engine.model).bos_token,
                      eos_token=builtin_format("plain", engine.model).eos_token)
-    prompt = RequestBuilder(fmt, engine).chat(TURNS, Options()).prompt
+    prompt = RequestBuilder(fmt, engine).chat(TURNS, Options()).request.prompt
     assert prompt[0] == BOS and prompt.count(BOS) == 1
     assert prompt.count(EOS) == 1  # after the one assistant turn
 
@@ -86,7 +88,7 @@ def test_options_are_checked_once_with_the_doors_names(engine: Any) -> None:
         build.prompt("hello", Options(sampling={"temperature": -1}))
     with pytest.raises(InvalidInput, match="context_policy must be one of"):
         build.prompt("hello", Options(context_policy="forget"))
-    req = build.prompt("hello", Options(stop="world", format="json", draft={"speculative.n_max": 4}))
+    req = build.prompt("hello", Options(stop="world", format="json", draft={"speculative.n_max": 4})).request
     assert req.stop == ["world"] and req.json_schema == {"type": "object"} and req.draft_max == 4
     assert req.context_policy == "error" and req.n_keep == 0  # a bare prompt: the completion doors' default
 
@@ -94,19 +96,19 @@ def test_options_are_checked_once_with_the_doors_names(engine: Any) -> None:
 def test_raw_prompt_and_templated_prompt(engine: Any, tmp_path: Path) -> None:
     """`run --raw` sends the text as typed; without --raw a file with no template gets the plain fallback,
     whose stop strings come along."""
-    raw = RequestBuilder(raw_format(), engine).prompt("hello world", Options(), template=False)
+    raw = RequestBuilder(raw_format(), engine).prompt("hello world", Options(), template=False).request
     assert raw.prompt == engine.tokenize("hello world") and raw.stop == []
     path = make_tiny_gguf(tmp_path / "t.gguf", chat_template="{% for m in messages %}<<{{ m['content'] }}>>"
                                                              "{% endfor %}")
     fmt = file_format(path, None, engine.model)
     assert fmt.template_name == "gguf"
-    req = RequestBuilder(fmt, engine).prompt("hello", Options(), system="be brief", template=True)
+    req = RequestBuilder(fmt, engine).prompt("hello", Options(), system="be brief", template=True).request
     assert req.prompt == engine.tokenize("<<be brief>><<hello>>") and req.n_keep > 1
 
 
 def test_infill_uses_the_models_fim_tokens(engine: Any) -> None:
     fmt = ChatFormat(None, "none", fim={"prefix": "<pre>", "suffix": "<suf>", "middle": "<mid>"})
-    req = RequestBuilder(fmt, engine).infill("def f(", "):", Options(max_tokens=8))
+    req = RequestBuilder(fmt, engine).infill("def f(", "):", Options(max_tokens=8)).request
     assert req.prompt == engine.tokenize("<pre>def f(<suf>):<mid>") and req.max_tokens == 8
 
 
@@ -123,10 +125,10 @@ def test_one_turn_prompt_under_truncate_history_shifts(engine: Any) -> None:
     """Ollama /api/generate through the template is one user turn: nothing for truncate_history to drop,
     so an overflowing prompt falls back to a shift (200 with a notice) instead of a ContextOverflow."""
     long = " ".join(["hello world"] * 400)  # ~800 tokens on a 256-token context
-    req = RequestBuilder(builtin_format("plain", engine.model), engine).prompt(
+    plan = RequestBuilder(builtin_format("plain", engine.model), engine).prompt(
         long, Options(max_tokens=4, context_policy="truncate_history"), template=True, policy="shift")
-    assert req.truncate is None
-    res = engine.submit(req).result()
+    assert not plan.notices and plan.request.context_policy == "shift"
+    res = engine.submit(plan.request).result()
     assert res.usage.completion_tokens == 4 and res.notices and res.notices[0].n_dropped > 0
 
 
@@ -135,10 +137,10 @@ def test_a_final_assistant_message_is_continued_not_answered(engine: Any) -> Non
     (the turns before it get the assistant's generation prompt, then its text follows)."""
     fmt = builtin_format("chatml", engine.model)
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "json foo"}]
-    req = RequestBuilder(fmt, engine).chat(turns, Options())
+    req = RequestBuilder(fmt, engine).chat(turns, Options()).request
     assert req.prompt == engine.tokenize("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\njson foo")
     parts = [{"type": "text", "text": "json "}, {"type": "text", "text": "foo"}]  # OpenAI content parts
-    assert RequestBuilder(fmt, engine).chat([turns[0], {"role": "assistant", "content": parts}], Options()).prompt \
+    assert RequestBuilder(fmt, engine).chat([turns[0], {"role": "assistant", "content": parts}], Options()).request.prompt \
         == req.prompt
     with pytest.raises(InvalidInput, match="Cannot have 2 or more assistant messages at the end of the list"):
         RequestBuilder(fmt, engine).chat([*turns, {"role": "assistant", "content": "bar"}], Options())
@@ -150,9 +152,32 @@ def test_a_stream_knows_its_slot(tmp_path: Path) -> None:
         build = RequestBuilder(raw_format(), eng)
         # neither may end before both are admitted: no EOS (sampled, it can come at once), and the iterators
         # are kept (a dropped one cancels its stream)
-        a = eng.submit(build.prompt("hello world", Options(max_tokens=400, ignore_eos=True)))
-        b = eng.submit(build.prompt("foo bar json", Options(max_tokens=400, ignore_eos=True)))
+        a = eng.submit(build.prompt("hello world", Options(max_tokens=400, ignore_eos=True)).request)
+        b = eng.submit(build.prompt("foo bar json", Options(max_tokens=400, ignore_eos=True)).request)
         ia, ib = iter(a), iter(b)
         next(ia), next(ib)
         assert {a.slot, b.slot} == {0, 1}  # two requests at once: one slot each
         a.cancel(), b.cancel()
+
+
+def test_truncate_history_drops_the_oldest_turns_in_the_builder(engine: Any) -> None:
+    """truncate_history is the builder's: a chat that leaves too little room to answer is rendered again
+    without its oldest turns (the system prompt and the last turn stay), the plan says so first, and the
+    engine gets a prompt that fits with the shift policy; a chat that cannot fit is refused, not cut."""
+    fmt = builtin_format("chatml", engine.model)
+    turns = [TURNS[0]] + [{"role": r, "content": "hello world " * 12} for r in ("user", "assistant") * 4] \
+        + [{"role": "user", "content": "json stop"}]
+    build = RequestBuilder(fmt, engine)
+    whole = len(build.chat(turns, Options(max_tokens=10)).request.prompt)
+    assert whole > engine.n_ctx - 10  # past what leaves room to answer
+    plan = build.chat(turns, Options(max_tokens=10, context_policy="truncate_history"))
+    req = plan.request
+    assert [n.kind for n in plan.notices] == ["history_truncated"] and plan.notices[0].n_dropped == whole - len(req.prompt)
+    assert len(req.prompt) <= engine.n_ctx - 10 and req.context_policy == "shift"
+    text = engine.detokenize(req.prompt)
+    assert "You are terse." in text and text.rstrip().endswith("json stop<|im_end|>\n<|im_start|>assistant")
+    res = Reply(engine, plan).result()
+    assert res.notices[0].kind == "history_truncated" and res.usage.prompt_tokens == len(req.prompt)
+    huge = [TURNS[0], {"role": "user", "content": "hello world " * 200}]
+    with pytest.raises(ContextOverflow):  # nothing old enough to drop, and it does not fit: refused, not cut
+        build.chat(huge, Options(max_tokens=10, context_policy="truncate_history"))

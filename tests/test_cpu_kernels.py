@@ -263,6 +263,13 @@ def test_start_load_decisions() -> None:
     assert "cpu kernels:" in out.stderr  # the fallback is logged
 
 
+QUANTIZE = """
+    import sys, llama_cpp
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
+"""
+
 GENERATE = """
     import json, sys
     from localllm.runtime import cpu_guard
@@ -297,12 +304,7 @@ def test_same_greedy_tokens_under_every_mode(tiny_path: Path) -> None:
 def test_no_amx_keeps_cpu_repack(tiny_path: Path, tmp_path: Path) -> None:
     """On a Q4_0 model llama.cpp repacks weights (CPU_REPACK) under "all" and "no-amx", not under "none"."""
     q4 = tmp_path / "tiny-q4_0.gguf"
-    quant = child("""
-        import sys, llama_cpp
-        p = llama_cpp.llama_model_quantize_default_params()
-        p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-        sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
-    """, str(tiny_path), str(q4))
+    quant = child(QUANTIZE, str(tiny_path), str(q4))
     assert quant.returncode == 0, quant.stderr[-2000:]
     if "REPACK = 1" not in child("import llama_cpp; print(llama_cpp.llama_print_system_info())").stdout:
         pytest.skip("this llama.cpp build has no CPU_REPACK")
@@ -394,20 +396,32 @@ def test_doctor_probe_without_amx(tiny_path: Path) -> None:
 
 
 @needs_linux_x86
-def test_llama_class_loads_apply_the_kernel_choice(tiny_path: Path) -> None:
-    """The embedder and the bench baseline load through llama_cpp.Llama, not runtime/llama.py's Model: they
-    too must apply the cpu_kernels choice before loading (issue 34: on an AMX Xeon the first /v1/embeddings
-    took AMX's kernels and segfaulted the server)."""
-    for make in ("from localllm.runtime.embed import Embedder; Embedder(sys.argv[1], n_ctx=256, threads=1)",
-                 "from localllm.runtime.baseline import LlamaBaseline; LlamaBaseline(sys.argv[1], n_ctx=256, threads=1)"):
-        out = last_json(child(f"""
-            import json, sys
-            from localllm.runtime import cpu_guard
-            from localllm.runtime.llama import system_info
-            mode = cpu_guard.choose("auto", system_info()).mode
-            {make}
-            print(json.dumps([mode, cpu_guard.models_loaded(), cpu_guard.installed()]))
-        """, str(tiny_path)))
-        mode, loaded, guarded = out
-        assert loaded is True, make  # the load was counted: the guard had its chance first
-        assert guarded is (mode == "no-amx"), make
+def test_llama_class_loads_apply_the_kernel_choice(tiny_path: Path, tmp_path: Path) -> None:
+    """The bench baseline loads through llama_cpp.Llama, not runtime/llama.py's Model: it too must apply the
+    cpu_kernels choice before loading (issue 34: on an AMX Xeon a load through the Llama class took AMX's
+    kernels and segfaulted in its first decode). Also after another load made "none" the only safe mode:
+    then the Llama class loads without extra buffer types, as a Model would."""
+    out = last_json(child("""
+        import json, sys
+        from localllm.runtime import cpu_guard
+        from localllm.runtime.llama import system_info
+        mode = cpu_guard.choose("auto", system_info()).mode
+        from localllm.runtime.baseline import LlamaBaseline
+        LlamaBaseline(sys.argv[1], n_ctx=256, threads=1)
+        print(json.dumps([mode, cpu_guard.models_loaded(), cpu_guard.installed()]))
+    """, str(tiny_path)))
+    mode, loaded, guarded = out
+    assert loaded is True  # the load was counted: the guard had its chance first
+    assert guarded is (mode == "no-amx")
+    q4 = tmp_path / "tiny-q4_0.gguf"
+    assert child(QUANTIZE, str(tiny_path), str(q4)).returncode == 0
+    late = child("""
+        import json, sys
+        from localllm.runtime.baseline import LlamaBaseline
+        from localllm.runtime.llama import Model
+        Model(sys.argv[1], cpu_kernels="none")  # loaded first without the guard: "none" from now on
+        b = LlamaBaseline(sys.argv[1], n_ctx=256, threads=1)
+        print(json.dumps(b.greedy(b.tokenize("hello world"), 4)))
+    """, str(q4), debug=True)
+    assert len(last_json(late)) == 4  # it ran (an AMX crash ends the process)
+    assert "AMX model buffer" not in late.stderr and "CPU_REPACK model buffer" not in late.stderr

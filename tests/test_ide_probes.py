@@ -120,7 +120,7 @@ def _header_only(path: Path, arch: str, pooling: bool) -> Path:
 @pytest.fixture(scope="module")
 def kinds(srv: Server) -> dict[str, str]:
     """Models of every kind installed beside the tiny one (name -> what it is)."""
-    store, root = srv.app.state.store, srv.root
+    store, root = srv.app.state.server.store, srv.root
     tools = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}{% for m in messages %}<|im_start|>"
              "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n\n</think>\n\n")
     install(store, make_tiny_gguf(root / "tools.gguf", chat_template=tools), "tooled:latest")
@@ -212,9 +212,9 @@ def test_infill_input_extra_reaches_the_prompt(srv: Server) -> None:
 
 
 def test_infill_input_extra_with_repo_tokens(srv: Server) -> None:
-    catalog = srv.app.state.catalog
+    catalog = srv.app.state.server.catalog
     catalog.models["repofim:latest"] = {"template": "chatml", "fim": {**FIM, "repo": "<REPO>", "sep": "<SEP>"}}
-    install(srv.app.state.store, srv.root / "tiny.gguf", "repofim:latest")
+    install(srv.app.state.server.store, srv.root / "tiny.gguf", "repofim:latest")
     extra = [{"filename": "util.py", "text": "X = 1\n"}, {"filename": "", "text": "Y = 2\n"}]
     r = infill(srv, input_extra=extra, model="repofim:latest")
     layout = ("<REPO>myproject\n<SEP>util.py\nX = 1\n<SEP>tmp\nY = 2\n<SEP>filename\n"
@@ -305,7 +305,7 @@ def _loaded(srv: Server) -> dict[str, Any]:
 
 
 def test_every_model_is_loaded_at_start_and_the_first_is_the_default(two: Server) -> None:
-    state = two.app.state
+    state = two.app.state.server
     assert state.pinned_names == [TINY, OTHER] and state.default_name == TINY
     loaded = _loaded(two)
     assert set(loaded) == {TINY, OTHER} and all(m["pinned"] and m["expires_at"] is None for m in loaded.values())

@@ -22,7 +22,7 @@ OTHER = "other:1b"
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with an API key and two installed models (the same tiny file under two names)."""
     info, server, thread = start_server(Path(tmp_path_factory.mktemp("compat")), api_key=KEY)
-    install(info.app.state.store, info.root / "tiny.gguf", OTHER)
+    install(info.app.state.server.store, info.root / "tiny.gguf", OTHER)
     yield info
     server.should_exit = True
     thread.join(timeout=20)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localllm.compose.requests import choices, logit_bias_pairs, n_choices
+from localllm.compose.plan import Plan
+from localllm.compose.requests import logit_bias_pairs, n_choices
 from localllm.errors import InvalidInput
 from localllm.runtime.engine import Engine
 from localllm.runtime.probs import log_softmax_top
@@ -134,9 +135,9 @@ def test_logit_bias_is_checked(engine: Engine) -> None:
 
 def test_n_choices_and_their_seeds(engine: Engine) -> None:
     req = Request(PROMPT, GenerationParams(temperature=1.0, seed=41), max_tokens=8)
-    reqs = choices(req, 3)
+    reqs = [p.request for p in Plan(req).choices(3)]
     assert [r.params.seed for r in reqs] == [41, 42, 43] and len({r.id for r in reqs}) == 3
-    assert choices(Request(PROMPT), 2)[1].params.seed is None
+    assert Plan(Request(PROMPT)).choices(2)[1].request.params.seed is None
     assert n_choices(None) == 1 and n_choices(16) == 16
     for bad in (0, 17, True, 2.5):
         with pytest.raises(InvalidInput, match="n must be an integer from 1 to 16"):

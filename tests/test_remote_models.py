@@ -286,7 +286,7 @@ def test_upstream_killed_mid_stream(tmp_path: Path, down: Server) -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        down.app.state.remotes.add("team-doomed", f"http://127.0.0.1:{port}/v1", TINY, replace=True)
+        down.app.state.server.remotes.add("team-doomed", f"http://127.0.0.1:{port}/v1", TINY, replace=True)
         body = {"model": "team-doomed", "messages": HI, "stream": True, "max_tokens": 30000, "ignore_eos": True}
         got, t_kill = [], 0.0
         with httpx.stream("POST", down.url + "/v1/chat/completions", json=body, timeout=30) as r:
@@ -400,7 +400,7 @@ def test_llama_cpp_python_server_upstream(tmp_path: Path, down: Server) -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        down.app.state.remotes.add("team-lcp", base, "tiny-lcp", replace=True)
+        down.app.state.server.remotes.add("team-lcp", base, "tiny-lcp", replace=True)
         direct = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=60)
         body = {"messages": HI, "temperature": 0, "max_tokens": 16}
         want = direct.chat.completions.create(model="tiny-lcp", **body)
@@ -484,7 +484,7 @@ def scripted(down: Server) -> Iterator[ThreadingHTTPServer]:
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     for name in [*SCRIPTS, "endless"]:
-        down.app.state.remotes.add(f"s-{name}", f"http://127.0.0.1:{srv.server_address[1]}/v1", name, replace=True,
+        down.app.state.server.remotes.add(f"s-{name}", f"http://127.0.0.1:{srv.server_address[1]}/v1", name, replace=True,
                                    api_key_env="SCRIPTED_TEST_KEY")
     yield srv
     srv.shutdown()
@@ -565,8 +565,8 @@ def test_chat_ui_backend_in_process(up: Server, tmp_path: Path) -> None:
     try:
         assert [(m.name, m.quant) for m in backend.models()] == [("team-chat:latest", "remote")]
         settings = ChatSettings(temperature=0.0, max_tokens=16)
-        engine, req = backend.request("team-chat", [{"role": "user", "content": "hello"}], settings)
-        text = engine.submit(req).result().text
+        engine, plan = backend.request("team-chat", [{"role": "user", "content": "hello"}], settings)
+        text = engine.submit(plan.request).result().text
         want = oa(up).chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hello"}],
                                               temperature=0, max_tokens=16)  # greedy: top_k, top_p are moot
         assert text == want.choices[0].message.content and text
@@ -594,7 +594,7 @@ def test_a_loaded_remote_model_is_held_without_waiting(up: Server, down: Server)
     """The server takes a loaded remote model on its event loop: never while the pool's lock is held (an
     unload may hold it for seconds), and never for an entry that changed since it was loaded."""
     oa(down).chat.completions.create(model="team-tiny", messages=HI, max_tokens=2)
-    pool, remote = down.pool, down.app.state.remotes.get("team-tiny")
+    pool, remote = down.pool, down.app.state.server.remotes.get("team-tiny")
     held = pool.use_remote("team-tiny:latest", remote)
     assert held is not None
     with held as engine:

@@ -119,8 +119,8 @@ def test_params_refuse_nan_and_infinity() -> None:
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
     ("/v1/completions", '{"model": "tiny", "prompt": "hi", "repeat_penalty": Infinity}'),
     ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "options": {"temperature": NaN}}'),
-    ("/api/chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": false, '
-                  '"options": {"repeat_penalty": -Infinity}}'),
+    ("/api/chat", ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": false, '
+                   '"options": {"repeat_penalty": -Infinity}}')),
     ("/completion", '{"model": "tiny", "prompt": "hi", "temperature": Infinity}'),
     ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "keep_alive": "-5x"}'),
     ("/api/generate", '{"model": "tiny", "prompt": "hi", "stream": false, "keep_alive": NaN}'),

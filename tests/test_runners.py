@@ -57,11 +57,9 @@ def test_errors_cross_the_process_boundary_as_themselves(tiny_path: Path) -> Non
         assert (info.value.n_prompt, info.value.n_ctx) == (299, 256) and info.value.status == 400
         with pytest.raises(InvalidInput, match="outside the vocabulary"):
             r.submit(greedy([1, 10**6]))
-        # truncate_history's hook is the caller's function: it runs in the host, its notice arrives first
-        req = greedy(list(range(1, 250)), 100, context_policy="truncate_history",
-                     truncate=lambda fit: list(range(1, 100)))
-        res = r.generate(req)
-        assert [n.kind for n in res.notices] == ["history_truncated"] and res.usage.prompt_tokens == 99
+        # a shifted prompt's notice crosses too, before any token
+        res = r.generate(greedy(list(range(1, 300)), 4, context_policy="shift"))
+        assert [n.kind for n in res.notices] == ["prompt_truncated"] and res.usage.prompt_tokens < 256
 
 
 def test_a_runner_that_cannot_load_says_why(tmp_path: Path) -> None:
@@ -101,14 +99,14 @@ def two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
     """A server with two models (the same tiny file under two names), each in its own runner."""
     monkeypatch.setenv("LOCALLLM_TEST_HOOKS", "1")
     info, server, thread = start_server(tmp_path)
-    install(info.app.state.store, info.root / "tiny.gguf", OTHER)
+    install(info.app.state.server.store, info.root / "tiny.gguf", OTHER)
     yield info
     server.should_exit = True
     thread.join(timeout=10)
 
 
 def _runner(srv: Server, name: str) -> Runner:
-    engine = srv.app.state.pool.engine_for(name)
+    engine = srv.app.state.server.pool.engine_for(name)
     assert isinstance(engine, Runner)
     return engine
 
@@ -223,7 +221,7 @@ def test_unloading_ends_the_runner_process(two: Server) -> None:
     assert proc.memory_info().rss > 10 << 20  # the model and its context live there, not in the server
     r = httpx.post(two.url + "/api/generate", json={"model": TINY, "keep_alive": 0})
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
-    wait_idle(two.app.state.pool)
+    wait_idle(two.app.state.server.pool)
     assert not psutil.pid_exists(runner.pid) or proc.status() == psutil.STATUS_ZOMBIE
     assert httpx.get(two.url + "/api/ps").json()["models"] == []
 

@@ -62,23 +62,6 @@ def test_shift_truncates_an_overlong_prompt_and_says_so(small: Engine) -> None:
     assert r.usage.prompt_tokens == len(prompt) - r.notices[0].n_dropped
 
 
-def test_truncate_history_calls_the_hook(small: Engine) -> None:
-    budgets = []
-
-    def shorter(budget: int) -> list[int]:
-        budgets.append(budget)
-        return [1] + list(range(300, 340))
-
-    prompt = [1] + list(range(300, 400)) * 3
-    r = small.generate(Request(prompt, GREEDY, max_tokens=10, context_policy="truncate_history",
-                               truncate=shorter))
-    assert budgets and budgets[0] < 256
-    assert r.notices[0].kind == "history_truncated" and r.notices[0].n_dropped == len(prompt) - 41
-    with pytest.raises(ContextOverflow):  # a hook that cannot make it fit is an error, not a silent cut
-        small.submit(Request(prompt, GREEDY, max_tokens=10, context_policy="truncate_history",
-                             truncate=lambda b: None))
-
-
 def test_stop_string_split_across_tokens(small: Engine) -> None:
     chunks = list(small.submit(Request("hello world", GREEDY, max_tokens=60)))
     full = "".join(c.text for c in chunks)

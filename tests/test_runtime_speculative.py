@@ -97,9 +97,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
 def test_bad_speculative_settings_are_refused(tiny_path: Path) -> None:
     with pytest.raises(InvalidInput, match="draft_max"):
         Engine(tiny_path, n_ctx=256, slots=1, spec=SpecConfig(lookup=True, draft_max=-1))
-    with Engine(tiny_path, n_ctx=256, slots=1, threads=2, spec=SpecConfig(lookup=True)) as e:
-        with pytest.raises(InvalidInput, match="p_min"):
-            e.submit(Request("hi", draft_p_min=2.0))
+    with Engine(tiny_path, n_ctx=256, slots=1, threads=2, spec=SpecConfig(lookup=True)) as e, \
+            pytest.raises(InvalidInput, match="p_min"):
+        e.submit(Request("hi", draft_p_min=2.0))
 
 
 def test_incompatible_draft_is_refused_naming_both_models(tiny_path: Path, tmp_path: Path) -> None:

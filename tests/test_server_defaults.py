@@ -40,7 +40,7 @@ def dflt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server started with `--model tiny --temp 0 --n-predict 5 --seed 42`, and a second model installed."""
     info, server, thread = start_server(tmp_path_factory.mktemp("dflt"), model="tiny", temperature=0.0,
                                         n_predict=5, seed=42)
-    install(info.app.state.store, info.root / "tiny.gguf", OTHER)
+    install(info.app.state.server.store, info.root / "tiny.gguf", OTHER)
     assert wait_ready(info.url).status_code == 200
     yield info
     stop(server, thread)

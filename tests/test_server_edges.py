@@ -143,8 +143,12 @@ def test_body_limits(keyed: Server) -> None:
 class _BrokenStream:
     """An engine stream that fails after one piece (engine error chunk, or a raw exception)."""
 
+    forwards = False
+    slot = None
+
     def __init__(self, raw: bool) -> None:
         self.raw = raw
+        self.prompt: list[int] = []
 
     def __iter__(self) -> Iterator[object]:
         from localllm.errors import EngineError

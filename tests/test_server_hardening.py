@@ -38,7 +38,7 @@ def _digest(data: bytes) -> str:
 
 def _leftovers(srv: Server) -> list[str]:
     """Temporary files left in the store's blob folder (an upload that failed must leave none)."""
-    blobs = srv.app.state.store.blobs
+    blobs = srv.app.state.server.store.blobs
     return [p.name for p in blobs.iterdir() if not p.name.startswith("sha256-")] if blobs.is_dir() else []
 
 
@@ -47,7 +47,7 @@ def test_pull_refuses_local_paths_without_saying_whether_they_exist(srv: Server)
     from tinymodel import make_tiny_gguf
 
     real = make_tiny_gguf(srv.root / "secret-model.gguf", seed=7)
-    before = sorted(m.name for m in srv.app.state.store.list())
+    before = sorted(m.name for m in srv.app.state.server.store.list())
     answers = []
     for path in (str(real), str(srv.root / "no-such-model.gguf"), "~/x.gguf"):
         for stream in (True, False):
@@ -56,7 +56,7 @@ def test_pull_refuses_local_paths_without_saying_whether_they_exist(srv: Server)
             answers.append(r.json()["error"])
     assert len(set(answers)) == 1, answers  # the same answer whether or not the file is there
     assert "blobs" in answers[0] and str(srv.root) not in answers[0]
-    assert sorted(m.name for m in srv.app.state.store.list()) == before  # nothing was imported
+    assert sorted(m.name for m in srv.app.state.server.store.list()) == before  # nothing was imported
 
 
 def test_local_pull_is_an_explicit_opt_in(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_local_pull_is_an_explicit_opt_in(tmp_path: Path) -> None:
         path = make_tiny_gguf(tmp_path / "imported.gguf", seed=3)
         events = list(ollama.Client(host=info.url, timeout=60).pull(str(path), stream=True))
         assert events[-1].status == "success", [e.status for e in events]
-        assert "imported:latest" in [m.name for m in info.app.state.store.list()]
+        assert "imported:latest" in [m.name for m in info.app.state.server.store.list()]
     finally:
         server.should_exit = True
         thread.join(timeout=20)
@@ -82,7 +82,7 @@ def test_blob_upload_create_and_generate_with_the_ollama_client(client: ollama.C
     assert httpx.head(f"{srv.url}/api/blobs/{digest}").status_code == 404
     assert client.create_blob(path) == digest
     assert httpx.head(f"{srv.url}/api/blobs/{digest}").status_code == 200
-    assert srv.app.state.store.has_blob(digest) and not _leftovers(srv)
+    assert srv.app.state.server.store.has_blob(digest) and not _leftovers(srv)
     again = httpx.post(f"{srv.url}/api/blobs/{digest}", content=path.read_bytes())
     assert again.status_code in (200, 201)  # already there: nothing changes
 
@@ -117,7 +117,7 @@ def test_blob_upload_needs_disk_space(srv: Server, monkeypatch: pytest.MonkeyPat
     data = b"GGUF" * 1000
     r = httpx.post(f"{srv.url}/api/blobs/{_digest(data)}", content=data)
     assert r.status_code == 507 and "disk space" in r.json()["error"], r.text
-    assert not srv.app.state.store.has_blob(_digest(data)) and not _leftovers(srv)
+    assert not srv.app.state.server.store.has_blob(_digest(data)) and not _leftovers(srv)
     assert str(srv.root) not in r.text
 
 
@@ -137,7 +137,7 @@ def test_create_refuses_what_it_cannot_make(srv: Server) -> None:
         r = httpx.post(f"{srv.url}/api/create", json=body)
         assert r.status_code == 400, (body, r.text)
         assert word.lower() in r.json()["error"].lower(), (body, r.text)
-    assert "x:latest" not in [m.name for m in srv.app.state.store.list()]
+    assert "x:latest" not in [m.name for m in srv.app.state.server.store.list()]
 
 
 def test_blob_uploads_are_not_held_to_the_json_body_limit(tight: Server) -> None:
@@ -152,10 +152,10 @@ def test_blob_uploads_are_not_held_to_the_json_body_limit(tight: Server) -> None
     def chunks() -> Iterator[bytes]:  # without Content-Length: read to the end, never whole in memory
         for i in range(0, len(data), 1000):
             yield data[i:i + 1000]
-    tight.app.state.store.blob_path(digest).unlink()
+    tight.app.state.server.store.blob_path(digest).unlink()
     r = httpx.post(f"{tight.url}/api/blobs/{digest}", content=chunks())
     assert r.status_code == 201, r.text
-    assert tight.app.state.store.has_blob(digest)
+    assert tight.app.state.server.store.has_blob(digest)
     big = {"model": TINY, "prompt": "x" * 10000}
     r = httpx.post(tight.url + "/api/generate", json=big)  # other endpoints keep their limit
     assert r.status_code == 413 and "limit" in r.json()["error"]

@@ -128,13 +128,14 @@ def test_health_props_slots_metrics(http: httpx.Client) -> None:
 def test_limits_n_indent_and_t_max_predict() -> None:
     import time
 
-    from localllm.server.llamacpp import CompletionBody, _Limits, flatten
+    from localllm.compose.plan import TextLimits
+    from localllm.server.llamacpp import flatten
 
-    ind = _Limits(CompletionBody(n_indent=4))
+    ind = TextLimits(n_indent=4)
     assert ind.cut("x = 1\n  y") == "x = 1\n"  # a new line starts left of the cursor's indent: stop there
     assert ind.cut("x = 1\n    y") is None
     assert ind.cut("x = 1\n  ") is None  # the line has not begun yet
-    slow = _Limits(CompletionBody(t_max_predict_ms=5))
+    slow = TextLimits(t_max_ms=5)
     assert slow.cut("no newline") is None
     time.sleep(0.01)
     assert slow.cut("no newline") is None and slow.cut("a\nb") == "a\nb"

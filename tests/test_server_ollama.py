@@ -102,12 +102,12 @@ def test_pull_local_file_with_progress(client: ollama.Client, srv: Server) -> No
     path = make_tiny_gguf(srv.root / "imported.gguf", seed=3)
     with pytest.raises(ollama.ResponseError, match="not files on the server's disk"):
         list(client.pull(str(path), stream=True))
-    settings = srv.app.state.settings
-    srv.app.state.settings = dataclasses.replace(settings, allow_local_pull=True)
+    settings = srv.app.state.server.settings
+    srv.app.state.server.settings = dataclasses.replace(settings, allow_local_pull=True)
     try:
         events = list(client.pull(str(path), stream=True))
     finally:
-        srv.app.state.settings = settings
+        srv.app.state.server.settings = settings
     assert events[-1].status == "success", [e.status for e in events]
     assert events[0].status == "pulling manifest"
     assert any(m.model.startswith("imported") for m in client.list().models)

@@ -35,7 +35,7 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     app = create_app(Settings(slots=2, threads=1, ctx=512, allowed_hosts=("testserver",)), store=store,
                      catalog=catalog)
     yield app
-    app.state.pool.close()
+    app.state.server.pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def spec_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module", autouse=True)
 def _draft_installed(spec_srv: Server) -> None:
     """The target itself, installed under a second name, is the draft (same vocabulary)."""
-    install(spec_srv.app.state.store, spec_srv.root / "tiny.gguf", "tiny:draft")
+    install(spec_srv.app.state.server.store, spec_srv.root / "tiny.gguf", "tiny:draft")
 
 
 def test_settings_from_the_environment() -> None:
@@ -68,7 +68,7 @@ def test_draft_with_a_different_vocabulary_is_refused_clearly(tmp_path: Path) ->
 
     info, server, thread = start_server(tmp_path, draft="other:vocab")
     try:
-        install(info.app.state.store, make_tiny_gguf(tmp_path / "v.gguf", n_vocab=300), "other:vocab")
+        install(info.app.state.server.store, make_tiny_gguf(tmp_path / "v.gguf", n_vocab=300), "other:vocab")
         r = httpx.post(info.url + "/completion", json={"prompt": "hi", "n_predict": 2, "model": TINY}, timeout=60)
         assert r.status_code == 400, r.text
         msg = r.json()["error"]["message"]

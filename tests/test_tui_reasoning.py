@@ -232,8 +232,8 @@ async def test_real_engine_thinker_model(tmp_path: Path) -> None:
             assert app.messages[-1] == {"role": "assistant", "content": "The answer is 42."}
 
             await send(pilot, "/think off")
-            _, req = backend.request("thinker", [{"role": "user", "content": "x"}], app.settings)
-            assert engine.detokenize(req.prompt).rstrip().endswith("</think>")  # the empty block, closed
+            _, plan = backend.request("thinker", [{"role": "user", "content": "x"}], app.settings)
+            assert engine.detokenize(plan.request.prompt).rstrip().endswith("</think>")  # the empty block, closed
             await send(pilot, "and now?")
             await wait_for(pilot, lambda: not app.generating and len(app.query(AssistantTurn)) == 2, timeout=30)
             second = app.query(AssistantTurn).last()

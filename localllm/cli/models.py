@@ -29,7 +29,7 @@ class RichPullProgress:
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console(stderr=True))
         self.tasks: dict[str, Any] = {}
 
-    def __enter__(self) -> RichPullProgress:
+    def __enter__(self) -> RichPullProgress:  # noqa: PYI034
         self.progress.start()
         return self
 

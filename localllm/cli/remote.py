@@ -34,13 +34,14 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
 
 
 def run_remote(url: str, model: str, prompt: str, *, raw: bool, options: dict[str, Any], verbose: bool,
-               api_key: str | None = None) -> str:
-    """Stream one completion from the server to stdout (NDJSON); returns the text."""
+               api_key: str | None = None, think: bool | None = None) -> str:
+    """Stream one completion from the server to stdout (NDJSON; a reasoning model's `thinking` dimmed on
+    stderr, as `run` in-process prints it); returns the answer's text."""
     if raw:  # no template: /api/generate with raw sends the prompt as is
         path, body = "/api/generate", {"model": model, "prompt": prompt, "raw": True}
     else:
         path, body = "/api/chat", {"model": model, "messages": [{"role": "user", "content": prompt}]}
-    body |= {"stream": True, "options": options}
+    body |= {"stream": True, "options": options, **({"think": think} if think is not None else {})}
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=_headers(api_key),
                                  method="POST")
     try:
@@ -60,6 +61,9 @@ def run_remote(url: str, model: str, prompt: str, *, raw: bool, options: dict[st
                 if chunk.get("error"):  # an error after the stream started arrives in-band
                     raise click.ClickException(f"server at {url}: {chunk['error']}")
                 text = chunk.get("response") if raw else (chunk.get("message") or {}).get("content")
+                thinking = chunk.get("thinking") if raw else (chunk.get("message") or {}).get("thinking")
+                if thinking:
+                    click.secho(thinking, dim=True, err=True, nl=False)
                 if text:
                     sys.stdout.write(text)
                     sys.stdout.flush()

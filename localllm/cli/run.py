@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +51,31 @@ def _auto_pull(model: str) -> Path:
     return Path(Store().model_path(result.manifest.name))
 
 
-def _stream(engine: Any, req: Any, verbose: bool) -> str:
-    from localllm.runtime.engine import Stream
+def _stream(engine: Any, plan: Any, verbose: bool) -> str:
+    """Print a plan's reply as it streams (compose/pipeline.py, as every door reads it): the answer on
+    stdout, a reasoning model's reasoning dimmed on stderr, notices and --verbose figures on stderr."""
+    from localllm.compose.pipeline import Reply
 
-    stream: Stream = engine.submit(req)
+    reply = Reply(engine, plan)
     out = []
+    thinking = False
     try:
-        for chunk in stream:
+        for chunk, deltas in reply:
             if chunk.notice:
                 click.secho(f"\n[{chunk.notice.message}]", fg="yellow", err=True)
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                out.append(chunk.text)
+            for d in deltas:
+                if d.kind == "reasoning" and d.text:
+                    if not thinking:
+                        click.secho("Thinking...", dim=True, err=True)
+                        thinking = True
+                    click.secho(d.text, dim=True, err=True, nl=False)
+                elif d.kind == "content" and d.text:
+                    if thinking:
+                        click.secho("\n...done thinking.\n", dim=True, err=True)
+                        thinking = False
+                    sys.stdout.write(d.text)
+                    sys.stdout.flush()
+                    out.append(d.text)
             if chunk.error is not None:
                 raise chunk.error
             if chunk.finish_reason and verbose and chunk.timings:
@@ -74,7 +87,7 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
                     click.echo(f"draft: {t.draft_accepted}/{t.draft_n} accepted "
                                f"({100 * t.draft_accepted / t.draft_n:.0f}%)", err=True)
     except KeyboardInterrupt:
-        stream.cancel()
+        reply.cancel()
         click.echo("", err=True)
     return "".join(out)
 
@@ -101,10 +114,14 @@ def _stream(engine: Any, req: Any, verbose: bool) -> str:
               help="Most tokens drafted per step, 0-64.")
 @click.option("--cpu-kernels", type=Setting("cpu_kernels"), help="llama.cpp CPU kernels: auto, all, no-amx "
               "or none (LOCALLLM_CPU_KERNELS; see `localllm doctor`).")
+@click.option("--think/--no-think", default=None, help="Reasoning models: reason first, or answer at once "
+              "(default: as the model's template does). The reasoning goes to stderr.")
+@click.option("--reasoning-budget", type=click.IntRange(min=0), help="Reasoning models: close the reasoning "
+              "after this many tokens and write the answer (0: no reasoning).")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
         verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int,
-        cpu_kernels: str | None) -> None:
+        cpu_kernels: str | None, think: bool | None, reasoning_budget: int | None) -> None:
     """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
 
     \b
@@ -122,13 +139,13 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    ask = Asked(temperature, seed, max_tokens, raw, verbose, think, reasoning_budget, ctx)
     no_server = no_server or bool(draft) or lookup
-    if prompt is not None and not no_server and _try_server(model, prompt, ctx, temperature, seed, max_tokens,
-                                                            raw, verbose):
+    if prompt is not None and not no_server and _try_server(model, prompt, ask):
         return
     remote = _remote_model(model)
     if remote is not None and prompt is not None:  # served by its upstream: nothing loads here
-        _run_remote_model(remote, prompt, temperature, seed, max_tokens, raw, verbose)
+        _run_remote_model(remote, prompt, ask)
         return
     path, template_name = (None, None) if remote is not None else resolve_model(model)
     if prompt is None:  # a terminal and no prompt: the chat UI
@@ -138,7 +155,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         return
     assert path is not None
     from localllm.compose.formats import file_format, raw_format
-    from localllm.compose.requests import Options, RequestBuilder
+    from localllm.compose.requests import RequestBuilder
     from localllm.compose.spec import engine_kwargs
     from localllm.models.gguf_meta import model_info
 
@@ -150,12 +167,37 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         kwargs["spec"] = SpecConfig(draft_model=resolve_model(draft)[0] if draft else None, draft_name=draft or "",
                                     lookup=lookup, draft_max=draft_max)
         kwargs["name"] = model
-    options = Options(sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens,
-                      max_tokens_name="--max-tokens")
     with Engine(path, **kwargs) as engine:
         fmt = raw_format() if raw else file_format(path, template_name, engine.model)
-        _stream(engine, RequestBuilder(fmt, engine).prompt(prompt, options, template=not raw, policy="shift"), verbose)
+        plan = RequestBuilder(fmt, engine).prompt(prompt, ask.options(), template=not raw, policy="shift")
+        _stream(engine, plan, verbose)
         sys.stdout.write("\n")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What `run` asks of the reply, wherever it runs (this process, a server, a remote model's upstream)."""
+
+    temperature: float
+    seed: int | None
+    max_tokens: int
+    raw: bool
+    verbose: bool
+    think: bool | None = None
+    reasoning_budget: int | None = None
+    ctx: int | None = None
+
+    def options(self) -> Any:
+        from localllm.compose.requests import Options
+
+        return Options(sampling={"temperature": self.temperature, "seed": self.seed}, max_tokens=self.max_tokens,
+                       max_tokens_name="--max-tokens", think=self.think, reasoning_budget=self.reasoning_budget)
+
+    def ollama_options(self) -> dict[str, Any]:
+        """The same as Ollama `options` for a server's /api/chat or /api/generate."""
+        out: dict[str, Any] = {"temperature": self.temperature, "num_predict": self.max_tokens}
+        extra = {"seed": self.seed, "num_ctx": self.ctx, "reasoning_budget": self.reasoning_budget}
+        return out | {k: v for k, v in extra.items() if v is not None}
 
 
 def _remote_model(model: str) -> Any:
@@ -172,25 +214,20 @@ def _remote_model(model: str) -> Any:
         return None
 
 
-def _run_remote_model(remote: Any, prompt: str, temperature: float, seed: int | None, max_tokens: int, raw: bool,
-                      verbose: bool) -> None:
+def _run_remote_model(remote: Any, prompt: str, ask: Asked) -> None:
     """One prompt through a remote model's upstream, in this process (the same builder as the server's)."""
     from localllm.compose.remote import RemoteEngine
     from localllm.compose.remote_requests import RemoteBuilder
-    from localllm.compose.requests import Options
 
-    options = Options(sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens,
-                      max_tokens_name="--max-tokens")
     engine = RemoteEngine(remote=remote)
     try:
-        _stream(engine, RemoteBuilder(remote).prompt(prompt, options, template=not raw), verbose)
+        _stream(engine, RemoteBuilder(remote).prompt(prompt, ask.options(), template=not ask.raw), ask.verbose)
         sys.stdout.write("\n")
     finally:
         engine.close()
 
 
-def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, seed: int | None,
-                max_tokens: int, raw: bool, verbose: bool) -> bool:
+def _try_server(model: str, prompt: str, ask: Asked) -> bool:
     """Run on a server at the configured address when one answers; False means run in-process."""
     p = Path(model).expanduser()
     if p.suffix == ".gguf" or p.is_file():  # a file path is not something a server can be asked for
@@ -202,13 +239,9 @@ def _try_server(model: str, prompt: str, ctx: int | None, temperature: float, se
     url = find_server(settings)
     if url is None:
         return False
-    options: dict[str, Any] = {"temperature": temperature, "num_predict": max_tokens}
-    if seed is not None:
-        options["seed"] = seed
-    if ctx is not None:
-        options["num_ctx"] = ctx
     try:
-        remote.run_remote(url, model, prompt, raw=raw, options=options, verbose=verbose, api_key=settings.api_key)
+        remote.run_remote(url, model, prompt, raw=ask.raw, options=ask.ollama_options(), verbose=ask.verbose,
+                          api_key=settings.api_key, think=ask.think)
     except remote.ServerMissingModel:  # not installed there: in-process auto-pulls catalog models as before
         return False
     sys.stdout.write("\n")

@@ -198,7 +198,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
         signal.raise_signal(signal.SIGINT)  # uvicorn.run owns the server: its own graceful shutdown
 
     if getattr(app, "state", None) is not None:
-        app.state.on_fatal = fatal
+        app.state.server.on_fatal = fatal
     click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
                + (f" (loading {', '.join(model_names(settings.model))})" if settings.model else ""), err=True)
     try:

@@ -11,12 +11,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localllm.errors import InvalidInput, Overloaded
+from localllm.runtime.api import ModelEngine
 
 FOREVER = float("inf")
 
@@ -33,13 +34,13 @@ class ModelSpec:
     hold: Callable[[], contextlib.AbstractContextManager[Any]] | None = field(default=None, hash=False)
     # a remote model: the upstream's URL, and what makes its engine (instead of the pool's factory)
     remote: str = ""
-    factory: Callable[..., Any] | None = field(default=None, hash=False, compare=False)
+    factory: Callable[..., ModelEngine] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
 class Loaded:
     spec: ModelSpec
-    engine: Any
+    engine: ModelEngine
     keep_alive: float
     last_used: float
     hold: contextlib.ExitStack
@@ -96,7 +97,7 @@ def parse_keep_alive(value: Any, default: float = 300.0) -> float:
     return total
 
 
-def engine_factory(isolate: bool = True) -> Callable[..., Any]:
+def engine_factory(isolate: bool = True) -> Callable[..., ModelEngine]:
     """What the pool loads a model with: a runner process (a native fault costs its requests an
     error, not the process holding the pool), or the Engine in this process (`runner = "inline"`)."""
     if isolate:
@@ -108,20 +109,8 @@ def engine_factory(isolate: bool = True) -> Callable[..., Any]:
     return Engine
 
 
-def _runner(engine: Any) -> dict[str, Any] | None:
-    """A runner's process and state (running, or crashed and why); None for an in-process engine."""
-    status = getattr(engine, "status", None)
-    return status() if callable(status) else None
-
-
-def _remote(engine: Any) -> dict[str, Any] | None:
-    """A remote model's upstream and latency (compose.remote.RemoteEngine); None for a local engine."""
-    status = getattr(engine, "remote_status", None)
-    return status() if callable(status) else None
-
-
 class ModelPool:
-    def __init__(self, resolve: Callable[[str, dict[str, Any]], ModelSpec], *, engine_factory: Callable[..., Any],
+    def __init__(self, resolve: Callable[[str, dict[str, Any]], ModelSpec], *, engine_factory: Callable[..., ModelEngine],
                  memory_budget: int | None = None, default_keep_alive: float = 300.0, max_models: int = 3,
                  reap_interval: float = 1.0) -> None:
         self._resolve = resolve
@@ -139,7 +128,7 @@ class ModelPool:
         self._reaper.start()
 
     # ---- public ----------------------------------------------------------------------------------
-    def get(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
+    def get(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> ModelEngine:
         """The engine for `name`, loading it (and evicting idle models to make room) when needed."""
         spec = self._resolve(name, options or {})
         ka = parse_keep_alive(keep_alive, self.default_keep_alive)  # checked even when pinned: a bad one is 400
@@ -149,7 +138,7 @@ class ModelPool:
         with gate:  # one load per name at a time; others wait and reuse it
             with self._lock:
                 cur = self._loaded.get(spec.name)
-                if cur is not None and getattr(cur.engine, "failure", None) is not None:
+                if cur is not None and cur.engine.failure is not None:
                     self._unload_locked(spec.name)  # its runner died: the next request gets a fresh one
                     cur = None
                 if cur is not None and cur.spec.engine_kwargs == spec.engine_kwargs:
@@ -173,7 +162,8 @@ class ModelPool:
             return engine
 
     @contextlib.contextmanager
-    def use(self, name: str, *, options: dict[str, Any] | None = None, keep_alive: Any = None) -> Any:
+    def use(self, name: str, *, options: dict[str, Any] | None = None,
+            keep_alive: Any = None) -> Iterator[ModelEngine]:
         """Hold an engine for the length of one request: it is not evicted while in use."""
         engine = self.get(name, options=options, keep_alive=keep_alive)
         with self._lock:  # count on the entry itself: a crashed runner's entry may be replaced meanwhile
@@ -195,13 +185,13 @@ class ModelPool:
                     self._unload_locked(key)
 
     @contextlib.contextmanager
-    def _holding(self, entry: Loaded) -> Any:
+    def _holding(self, entry: Loaded) -> Iterator[ModelEngine]:
         try:
             yield entry.engine
         finally:
             self._let_go(entry)
 
-    def use_remote(self, name: str, remote: Any) -> contextlib.AbstractContextManager[Any] | None:
+    def use_remote(self, name: str, remote: Any) -> contextlib.AbstractContextManager[ModelEngine] | None:
         """use() for a loaded remote model, without waiting (the server calls it on its event loop): None
         when the pool's lock is taken, `name` is not loaded, or it was loaded for another entry than `remote`
         (then use() resolves and reloads as ever)."""
@@ -267,25 +257,27 @@ class ModelPool:
         now, wall = time.monotonic(), time.time()
         with self._lock:
             return [{"name": k, "path": e.spec.remote or str(e.spec.path), "size": e.spec.size_bytes,
-                     "size_vram": e.spec.size_vram, "remote": _remote(e.engine),
+                     "size_vram": e.spec.size_vram,
+                     "remote": e.engine.status() if e.engine.kind == "remote" else None,
                      "expires_at": None if e.keep_alive == FOREVER else wall + (e.expires_at - now),
-                     "context_length": getattr(e.engine, "n_ctx", None), "details": e.spec.details,
-                     "busy": e.users > 0 or not e.engine.idle(), "runner": _runner(e.engine),
+                     "context_length": e.engine.n_ctx or None, "details": e.spec.details,
+                     "busy": e.users > 0 or not e.engine.idle(),
+                     "runner": e.engine.status() if e.engine.kind == "runner" else None,
                      "pinned": e.spec.name in self._pinned}
                     for k, e in self._loaded.items()]
 
-    def engines(self) -> list[tuple[str, Any]]:
+    def engines(self) -> list[tuple[str, ModelEngine]]:
         """(pool name, engine) for each loaded model, oldest load first; for /slots, /metrics and /props."""
         with self._lock:
             return [(k, e.engine) for k, e in self._loaded.items()]
 
-    def engine_for(self, name: str) -> Any | None:
+    def engine_for(self, name: str) -> ModelEngine | None:
         """The loaded engine for `name` without loading or touching it, or None."""
         with self._lock:
             entry = self._loaded.get(name)
             return entry.engine if entry is not None else None
 
-    def name_of(self, engine: Any) -> str | None:
+    def name_of(self, engine: ModelEngine) -> str | None:
         """The pool name an engine from `get()`/`use()` is loaded under (None once unloaded)."""
         return self._key_of(engine)
 
@@ -296,7 +288,7 @@ class ModelPool:
                 self._unload_locked(key)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _key_of(self, engine: Any) -> str | None:
+    def _key_of(self, engine: ModelEngine) -> str | None:
         with self._lock:
             return next((k for k, e in self._loaded.items() if e.engine is engine), None)
 
@@ -320,7 +312,7 @@ class ModelPool:
             return too_big or (spec.name not in self._pinned and not spec.remote and unpinned >= self.max_models)
 
         for key, entry in list(self._loaded.items()):  # crashed runners hold no memory: they go first
-            if getattr(entry.engine, "failure", None) is not None:
+            if entry.engine.failure is not None:
                 self._unload_locked(key)
         for key, entry in sorted(self._loaded.items(), key=lambda kv: kv[1].last_used):
             if not over():

@@ -24,13 +24,21 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
-from localllm.errors import InvalidInput, Overloaded, UpstreamError, UpstreamTimeout, UpstreamUnsupported
+from localllm.errors import (
+    InvalidInput,
+    LocalLLMError,
+    Overloaded,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnsupported,
+)
+from localllm.runtime.api import Embeddings, ModelView
 from localllm.runtime.slots import StreamState
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Request, Timings, Usage
@@ -50,6 +58,14 @@ class UpstreamCall:
     body: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class UpstreamRequest(Request):
+    """A remote model's request (compose/remote_requests.py builds it): the runtime Request's fields the doors
+    read (sampling, stops, the token limit), and the call its upstream gets instead of tokens."""
+
+    call: UpstreamCall = field(default_factory=lambda: UpstreamCall("chat"))
+
+
 class _Loop:
     """One event loop on a daemon thread for every remote engine of the process (made on first use)."""
 
@@ -67,11 +83,14 @@ class _Loop:
 
 
 class RemoteEngine:
-    """The engine of one remote model (`Remote` from models.remotes). Duck-types the parts of Engine the
-    pool and the doors use: submit, idle, stats, close; no tokenizer (those requests get a clear 400)."""
+    """The engine of one remote model (`Remote` from models.remotes): runtime/api.py ModelEngine, with no
+    tokenizer and no embeddings here (those requests get a clear 400)."""
 
-    failure = None  # never "crashed": an upstream failure is per request
-    n_ctx = None  # the upstream's; not known here
+    kind: ClassVar[str] = "remote"
+    on_loop: ClassVar[bool] = True  # asubmit waits for the upstream's status line on the caller's loop
+    failure: LocalLLMError | None = None  # never "crashed": an upstream failure is per request
+    n_ctx = 0  # the upstream's; not known here
+    model: ModelView | None = None
 
     def __init__(self, _path: Any = None, *, remote: Any, **_: Any) -> None:  # the pool's factory call
         self.remote = remote
@@ -104,12 +123,11 @@ class RemoteEngine:
             raise
         return stream
 
-    light_build = True  # building a request is a few dicts: no worker thread needed (server.lifecycle)
 
     def _start(self, req: Request, loop: asyncio.AbstractEventLoop) -> tuple[Stream, concurrent.futures.Future[None]]:
-        call = req.upstream
-        if not isinstance(call, UpstreamCall):
+        if not isinstance(req, UpstreamRequest):
             raise InvalidInput(f"{self.remote.name} is a remote model: its requests are built by compose.remote_requests")
+        call = req.call
         if self._closed:
             raise UpstreamError(f"{self.remote.name} was unloaded", "retry the request")
         state = StreamState()
@@ -149,7 +167,7 @@ class RemoteEngine:
     def waiting(self) -> int:
         return 0  # the upstream queues; nothing waits here
 
-    def remote_status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         """The upstream and its latency, for `ps` and /metrics (no key, only its variable's name)."""
         with self._lock:
             ttft = list(self._ttft)
@@ -160,13 +178,21 @@ class RemoteEngine:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"slots": [], "n_ctx": 0, "waiting": 0, "remote": self.remote_status()}
+        return {"slots": [], "n_ctx": 0, "waiting": 0, "remote": self.status()}
 
-    def tokenize(self, *_: Any, **__: Any) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         raise InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): its tokenizer lives on "
                            "the upstream", "send text, or ask the upstream directly")
 
-    detokenize = tokenize
+    def detokenize(self, tokens: list[int]) -> str:
+        return "".join(map(str, self.tokenize("")))  # refused the same way
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        raise InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): localllm does not "
+                           "forward embeddings", "ask the upstream's /v1/embeddings directly")
+
+    def reset_cache(self, timeout: float = 30.0) -> None:
+        return None  # the upstream's cache is its own
 
     def close(self) -> None:
         self._closed = True

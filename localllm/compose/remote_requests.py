@@ -15,12 +15,12 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from localllm.compose.remote import THINK, UpstreamCall
+from localllm.compose.plan import Plan, TextLimits
+from localllm.compose.remote import THINK, UpstreamCall, UpstreamRequest
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import thinking, tool_choice
 from localllm.compose.requests import Defaults, Options, json_format, logit_bias_pairs, params_from, stop_list
 from localllm.errors import InvalidInput
-from localllm.runtime.types import Request
 
 STANDARD = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
 # llama.cpp / vLLM / SGLang extensions, sent only when the client set them
@@ -36,7 +36,7 @@ class RemoteBuilder:
         self.defaults = defaults or Defaults()
 
     def chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None = None,
-             policy: str = "shift") -> Request:
+             policy: str = "shift") -> Plan:
         if not messages:
             raise InvalidInput("messages must not be empty")
         body: dict[str, Any] = {"messages": upstream_messages(messages)}
@@ -51,12 +51,11 @@ class RemoteBuilder:
             if options.tool_choice is not None:
                 body["tool_choice"] = (choice if isinstance(choice, str)
                                        else {"type": "function", "function": {"name": choice["name"]}})
-        req = self._request("chat", body, options)
-        req.reply = ReplyFormat(think=THINK, tools="hermes" if tools and choice != "none" else None, marked=True)
-        return req
+        reply = ReplyFormat(think=THINK, tools="hermes" if tools and choice != "none" else None, marked=True)
+        return Plan(self._request("chat", body, options), reply=reply)
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
-               template: bool = False, policy: str = "error") -> Request:
+               template: bool = False, policy: str = "error") -> Plan:
         if not text:
             raise InvalidInput("prompt is empty", "send the text to complete")
         if not isinstance(text, str):
@@ -65,18 +64,18 @@ class RemoteBuilder:
         if template:  # Ollama's /api/generate without raw, `localllm run`: one user turn of a chat
             head = [{"role": "system", "content": system}] if system else []
             return self.chat([*head, {"role": "user", "content": text}], options)
-        return self._request("completions", {"prompt": text}, options)
+        return Plan(self._request("completions", {"prompt": text}, options))
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),
-               middle_prefix: str = "", policy: str = "error") -> Request:
+               middle_prefix: str = "", policy: str = "error", limits: TextLimits | None = None) -> Plan:
         body: dict[str, Any] = {"input_prefix": prefix, "input_suffix": suffix, "prompt": middle_prefix}
         chunks = [{"filename": name, "text": text} for name, text in extra]
         if chunks:
             body["input_extra"] = chunks
-        return self._request("infill", body, options)
+        return Plan(self._request("infill", body, options), limits=limits)
 
     # ---- options → the upstream's fields --------------------------------------------------------------------
-    def _request(self, kind: str, body: dict[str, Any], o: Options) -> Request:
+    def _request(self, kind: str, body: dict[str, Any], o: Options) -> UpstreamRequest:
         sampling = {**self.defaults.sampling, **{k: v for k, v in o.sampling.items() if v is not None}}
         params = params_from(sampling)  # the same checks (and errors) as a local model's
         for key in STANDARD:
@@ -112,8 +111,8 @@ class RemoteBuilder:
         body["model"], body["stream"] = self.remote.model, True
         if kind != "infill":
             body["stream_options"] = {"include_usage": True}
-        return Request(prompt="", params=params, max_tokens=limit if isinstance(limit, int) and limit > 0
-                       else None, stop=stops, upstream=UpstreamCall(kind, body))
+        return UpstreamRequest(prompt="", params=params, max_tokens=limit if isinstance(limit, int) and limit > 0
+                               else None, stop=stops, call=UpstreamCall(kind, body))
 
 
 def _logit_bias(value: Any, openai: bool, name: str) -> dict[str, float]:

@@ -19,22 +19,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from localllm.compose.formats import ChatFormat, template_messages
+from localllm.compose.plan import Plan, TextLimits
+from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
 from localllm.compose.tool_grammar import call_grammar
-from localllm.errors import InvalidInput
+from localllm.errors import ContextOverflow, InvalidInput
 from localllm.runtime.prefix_cache import common_prefix
 from localllm.runtime.templates import fim_prompt, truncate_history
-from localllm.runtime.types import CONTEXT_POLICIES, MAX_N_PROBS, GenerationParams, Request
+from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Notice, Request
 
 # sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)
 PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
               "frequency_penalty", "seed")
 MAX_TOKENS_PER_CTX = 4  # a request generates at most this many context-fulls of tokens
 MAX_CHOICES = 16  # `n`: choices of one request (each takes a slot; more wait their turn)
+# what a request may ask when its prompt or generation outgrows the context (truncate_history: chats only)
+CONTEXT_POLICIES = ("error", "shift", "truncate_history")
 # speculative decoding per request: Ollama-style option name, llama-server's flat `speculative.*` keys
 DRAFT_KEYS = {"draft_num_predict": "draft_max", "speculative.n_max": "draft_max",
               "speculative.n_min": "draft_min", "speculative.p_min": "draft_p_min"}
@@ -89,13 +93,13 @@ class RequestBuilder:
         self.defaults = defaults or Defaults()
 
     def chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None = None,
-             policy: str = "shift") -> Request:
+             policy: str = "shift") -> Plan:
         """A conversation through the chat template; a shift keeps the system prompt, and the
-        truncate_history policy drops the oldest turns."""
+        truncate_history policy drops the oldest turns until the prompt fits."""
         return self._chat(messages, options, tools=tools, policy=policy, truncatable=True)
 
     def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
-              truncatable: bool) -> Request:
+              truncatable: bool) -> Plan:
         if not messages:
             raise InvalidInput("messages must not be empty")
         messages = template_messages(messages)
@@ -108,19 +112,52 @@ class RequestBuilder:
         extra: dict[str, Any] = {"tools": tools} if tools else {}
         if think is not None:
             extra["enable_thinking"] = think  # Qwen3's templates (and others) read it
-        parts = self.fmt.render(messages, **extra)
-        text, fmt = reply_plan(parts.text, self.fmt.template, think=think, budget=budget, tools=bool(tools))
+
+        def render(msgs: list[dict[str, Any]]) -> tuple[str, ReplyFormat, str]:
+            parts = self.fmt.render(msgs, **extra)
+            text, fmt = reply_plan(parts.text, self.fmt.template, think=think, budget=budget, tools=bool(tools))
+            return text, fmt, parts.system_prefix
+
+        text, fmt, system_prefix = render(messages)
         prompt = self._tokens(text)
-        n_keep = common_prefix(self._tokens(parts.system_prefix), prompt) if parts.system_prefix else 0
-        req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy,
-                            truncate=self._truncator(messages, extra) if truncatable else None)
-        req.reply = fmt
+        notices: list[Notice] = []
+        wire_policy = context_policy(options.context_policy, policy)
+        if wire_policy == "truncate_history" and truncatable:
+            prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: render(msgs)[0])
+        n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
+        req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
         if forced:
             assert tools is not None
             if req.grammar is not None or req.json_schema is not None:
                 raise InvalidInput("tool_choice required or named cannot be combined with a grammar or format")
             req.grammar = call_grammar(tools, choice, fmt.tools or "json")
-        return req
+        close = self._close_tokens(fmt.think[1]) if fmt.think is not None and fmt.budget is not None else []
+        return Plan(req, reply=fmt, notices=notices, close_reasoning=close)
+
+    def _fit_history(self, messages: list[dict[str, Any]], prompt: list[int], o: Options,
+                     render: Callable[[list[dict[str, Any]]], str]) -> tuple[list[int], list[Notice]]:
+        """truncate_history: a chat that leaves too little room to answer is re-rendered without its oldest
+        turns (the system prompt and the last turn stay) until it fits; one that cannot fit is refused."""
+        n_ctx = int(self.model.n_ctx)
+        limit = o.max_tokens if isinstance(o.max_tokens, int) and not isinstance(o.max_tokens, bool) else None
+        reserve = min(limit if limit and limit > 0 else n_ctx // 4, n_ctx // 4)
+        notices = []
+        if len(prompt) > n_ctx - reserve:
+            kept, dropped = truncate_history(messages, lambda msgs: len(self._tokens(render(msgs))) <= n_ctx - reserve)
+            shorter = self._tokens(render(kept)) if dropped else prompt
+            if shorter and len(shorter) < len(prompt):
+                d = len(prompt) - len(shorter)
+                notices.append(Notice("history_truncated", d,
+                                      f"dropped the oldest turns ({d} tokens) to fit the {n_ctx}-token context"))
+                prompt = shorter
+        if len(prompt) >= n_ctx:
+            raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}", len(prompt), n_ctx,
+                                  "shorten the prompt, raise --ctx, or use the 'shift' policy")
+        return prompt, notices
+
+    def _close_tokens(self, marker: str) -> list[int]:
+        # the marker first: text that starts with a newline would get SentencePiece's space prefix
+        return list(self.model.tokenize(marker + "\n\n", add_special=False, parse_special=True))
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
                template: bool = False, policy: str = "error") -> Request:
@@ -139,15 +176,16 @@ class RequestBuilder:
             text = self._tokens(text)
         elif any(isinstance(p, str) for p in text):
             text = self._pieces(text)
-        return self._request(list(text), options, stops=[], n_keep=0, policy=policy)
+        return Plan(self._request(list(text), options, stops=[], n_keep=0, policy=policy))
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),
-               middle_prefix: str = "", policy: str = "error") -> Request:
-        """Fill-in-the-middle with the model's FIM tokens (llama.cpp /infill layout, repo context in `extra`)."""
+               middle_prefix: str = "", policy: str = "error", limits: TextLimits | None = None) -> Plan:
+        """Fill-in-the-middle with the model's FIM tokens (llama.cpp /infill layout, repo context in `extra`);
+        `limits`: llama-server's n_indent / t_max_predict_ms, applied by the pipeline."""
         text = fim_prompt(prefix, suffix, tokens=self.fmt.fim, extra=extra, middle_prefix=middle_prefix)
         req = self._request(self._tokens(text), options, stops=[], n_keep=0, policy=policy)
         req.prefill_cuts = False  # llama-server's infill prefills without checkpoint cuts
-        return req
+        return Plan(req, limits=limits)
 
     # ---- the parts -------------------------------------------------------------------------------
     def _tokens(self, text: str) -> list[int]:
@@ -166,19 +204,7 @@ class RequestBuilder:
         # llama-server tokenizes a logit_bias string as plain text: no BOS, special tokens not parsed
         return list(self.model.tokenize(text, add_special=False, parse_special=False))
 
-    def _truncator(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> Callable[[int], str | None]:
-        """The engine's truncate_history hook: re-render without the oldest turns until the prompt fits."""
-        def shorter(limit: int) -> str | None:
-            def fits(msgs: list[dict[str, Any]]) -> bool:
-                return len(self._tokens(self.fmt.render_text(msgs, **extra))) <= limit
-
-            kept, dropped = truncate_history(messages, fits)
-            return self.fmt.render_text(kept, **extra) if dropped else None
-
-        return shorter
-
-    def _request(self, prompt: list[int], o: Options, *, stops: list[str], n_keep: int, policy: str,
-                 truncate: Callable[[int], str | None] | None = None) -> Request:
+    def _request(self, prompt: list[int], o: Options, *, stops: list[str], n_keep: int, policy: str) -> Request:
         if o.n_keep is not None:
             if isinstance(o.n_keep, bool) or not isinstance(o.n_keep, int) or o.n_keep < -1:
                 raise InvalidInput(f"{o.n_keep_name} must be an integer >= -1, got {o.n_keep!r}")
@@ -195,8 +221,8 @@ class RequestBuilder:
                        max_tokens=max_tokens_for(limit, int(self.model.n_ctx), o.max_tokens_name),
                        stop=stop_list(o.stop) + list(stops), grammar=o.grammar,
                        json_schema=o.json_schema if o.json_schema is not None else json_format(o.format),
-                       context_policy=context_policy(o.context_policy, policy),  # type: ignore[arg-type]
-                       n_keep=n_keep, ignore_eos=bool(o.ignore_eos), truncate=truncate, **draft_options(o.draft))
+                       context_policy=runtime_policy(context_policy(o.context_policy, policy)),
+                       n_keep=n_keep, ignore_eos=bool(o.ignore_eos), **draft_options(o.draft))
 
 
 # ---- wire values → request fields (each checked; errors name the field) ---------------------------
@@ -280,19 +306,6 @@ def n_choices(n: Any, name: str = "n") -> int:
     return n
 
 
-def choices(request: Request, n: int) -> list[Request]:
-    """`n` requests for n choices of one prompt (the engine batches them), the first being `request`. With
-    a seed, choice i samples with seed + i, so choices differ under sampling and each is reproducible;
-    without one each draws its own."""
-    out = [request]
-    for i in range(1, n):
-        seed = request.params.seed
-        params = replace(request.params, seed=None if seed is None else (seed + i) & 0xFFFFFFFF,
-                         logit_bias=list(request.params.logit_bias))
-        out.append(replace(request, params=params, stop=list(request.stop), id=f"{request.id}-{i}"))
-    return out
-
-
 def max_tokens_for(value: Any, n_ctx: int, name: str = "max_tokens") -> int:
     """None / -1 / -2 mean "until the model stops": capped at the context size so it always ends."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (-1, -2)):
@@ -333,11 +346,18 @@ def draft_options(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def context_policy(value: Any, default: str) -> str:
+    """The request's context policy as the wire says it (error, shift, truncate_history)."""
     if value is None:
         return default
     if value not in CONTEXT_POLICIES:
         raise InvalidInput(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {value!r}")
     return str(value)
+
+
+def runtime_policy(policy: str) -> ContextPolicy:
+    """What the engine does when a sequence outgrows the context: truncate_history has done its part in the
+    builder (the oldest turns dropped before the prompt is sent), then shifts like `shift`."""
+    return "error" if policy == "error" else "shift"
 
 
 def json_format(fmt: Any) -> dict[str, Any] | None:

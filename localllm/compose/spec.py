@@ -12,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localllm.compose.formats import ChatFormat, builtin_format, chat_format
 from localllm.compose.pool import ModelSpec
 from localllm.compose.requests import Defaults, RequestBuilder
 from localllm.errors import InvalidInput
+from localllm.runtime.api import ModelEngine
+
+if TYPE_CHECKING:
+    from localllm.compose.remote_requests import RemoteBuilder
 
 MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 
@@ -200,8 +204,7 @@ class Composer:
               n_batch: int | None, digest: str = "") -> dict[str, Any]:
         s = self.settings
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
-                                 kv_type=s.kv_type, cpu_kernels=getattr(s, "cpu_kernels", None),
-                                 rpc=getattr(s, "rpc", None))
+                                 kv_type=s.kv_type, cpu_kernels=s.cpu_kernels, rpc=s.rpc)
         kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch
@@ -215,17 +218,16 @@ class Composer:
         return kw
 
     # ---- prompt formatting -----------------------------------------------------------------------
-    def chat_format(self, name: str, engine: Any) -> ChatFormat:
+    def chat_format(self, name: str, engine: ModelEngine) -> ChatFormat:
         """How to prompt an installed model (cached per file and name)."""
         man, info = self.info(name)
         key = man.digest + "|" + man.name
         with self._lock:
             fmt = self._formats.get(key)
         if fmt is None:
-            fmt = chat_format(info, self.catalog.entry(man.name), getattr(engine, "model", None))
-            override = getattr(self.settings, "chat_template", None)
-            if override:  # the server's --chat-template, for every model it serves
-                fmt = template_override(fmt, override, getattr(engine, "model", None))
+            fmt = chat_format(info, self.catalog.entry(man.name), engine.model)
+            if self.settings.chat_template:  # the server's --chat-template, for every model it serves
+                fmt = template_override(fmt, self.settings.chat_template, engine.model)
             with self._lock:
                 self._formats[key] = fmt
         return fmt
@@ -233,15 +235,17 @@ class Composer:
     def defaults(self) -> Defaults:
         """The server-wide request defaults from the settings (`serve --temp/--seed/--n-predict`)."""
         s = self.settings
-        sampling = {k: getattr(s, k, None) for k in ("temperature", "seed")}
-        return Defaults({k: v for k, v in sampling.items() if v is not None}, getattr(s, "n_predict", None))
+        sampling = {"temperature": s.temperature, "seed": s.seed}
+        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict)
 
-    def builder(self, name: str, engine: Any) -> Any:
+    def builder(self, name: str, engine: ModelEngine) -> RequestBuilder | RemoteBuilder:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:
         compose.requests.RequestBuilder, or for a remote model compose.remote_requests.RemoteBuilder (the
         same calls)."""
-        if engine.__class__.__module__ == "localllm.compose.remote":  # without importing httpx for local models
+        if engine.kind == "remote":  # its module is loaded then (httpx too): local models never import it
+            from localllm.compose.remote import RemoteEngine
             from localllm.compose.remote_requests import RemoteBuilder
 
+            assert isinstance(engine, RemoteEngine)
             return RemoteBuilder(engine.remote, self.defaults())
         return RequestBuilder(self.chat_format(name, engine), engine, self.defaults())

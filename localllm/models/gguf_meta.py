@@ -124,7 +124,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     """Parse the header of a GGUF file: metadata (small values) and tensor infos."""
     p = Path(path)
     try:
-        f = open(p, "rb")
+        f = open(p, "rb")  # noqa: SIM115 - closed by the caller of the reader it returns
     except OSError as exc:
         raise NotGGUF(f"cannot open {p}: {exc.strerror}") from exc
     with f:

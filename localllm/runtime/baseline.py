@@ -16,11 +16,11 @@ class LlamaBaseline:
                  n_gpu_layers: int = 0, **llama_kwargs: Any) -> None:
         from llama_cpp import Llama
 
-        from localllm.runtime.llama import kernels_for_load
+        from localllm.runtime.llama import llama_class_load
 
-        kernels_for_load()  # the same CPU kernels as the engine's "auto" (AMX kept out where it would crash)
-        self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,
-                         n_gpu_layers=n_gpu_layers, verbose=False, **llama_kwargs)
+        with llama_class_load():  # the same CPU kernels as the engine's "auto" (AMX kept out where it would crash)
+            self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,
+                             n_gpu_layers=n_gpu_layers, verbose=False, **llama_kwargs)
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), special=True)

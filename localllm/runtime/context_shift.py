@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.errors import ContextOverflow
@@ -61,31 +60,16 @@ def fit_prompt(prompt: list[int], n_ctx: int, n_keep: int, reserve: int) -> Prom
     return PromptFit(prompt[:keep] + prompt[len(prompt) - tail:], dropped)
 
 
-def fit_request(req: Request, prompt: list[int], n_ctx: int,
-                tokenize: Callable[..., list[int]]) -> tuple[list[int], list[Notice]]:
-    """Apply a request's context policy to a prompt that does not fit; says what it dropped."""
-    if req.context_policy == "truncate_history" and req.truncate is not None:
-        reserve = min(req.max_tokens or n_ctx // 4, n_ctx // 4)
-        if len(prompt) > n_ctx - reserve:
-            new = req.truncate(n_ctx - reserve)
-            if new is not None:
-                new_t = (tokenize(new, add_special=req.add_special, parse_special=req.parse_special)
-                         if isinstance(new, str) else list(new))
-                if new_t and len(new_t) < len(prompt):
-                    d = len(prompt) - len(new_t)
-                    msg = f"dropped the oldest turns ({d} tokens) to fit the {n_ctx}-token context"
-                    return _fit_hard(req, new_t, n_ctx, [Notice("history_truncated", d, msg)])
-    return _fit_hard(req, prompt, n_ctx, [])
-
-
-def _fit_hard(req: Request, prompt: list[int], n_ctx: int, notices: list[Notice]) -> tuple[list[int], list[Notice]]:
+def fit_request(req: Request, prompt: list[int], n_ctx: int) -> tuple[list[int], list[Notice]]:
+    """Apply a request's context policy to a prompt that does not fit: refuse it (error), or keep its
+    first n_keep tokens and its end (shift); says what it dropped."""
     if len(prompt) < n_ctx:
-        return prompt, notices
-    if req.context_policy == "error" or (req.context_policy == "truncate_history" and req.truncate):
+        return prompt, []
+    if req.context_policy == "error":
         raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}",
                               len(prompt), n_ctx, "shorten the prompt, raise --ctx, or use the 'shift' policy")
     keep = effective_keep(req.n_keep if req.n_keep else 1, len(prompt), n_ctx)
     fit = fit_prompt(prompt, n_ctx, keep, reserve=n_ctx // 4)
     msg = f"prompt of {len(prompt)} tokens did not fit the {n_ctx}-token context: dropped {fit.n_dropped} " \
           f"tokens after the first {keep}"
-    return fit.tokens, notices + [Notice("prompt_truncated", fit.n_dropped, msg)]
+    return fit.tokens, [Notice("prompt_truncated", fit.n_dropped, msg)]

@@ -11,19 +11,19 @@ target's own sampler verifies them (runtime/speculative.py, runtime/drafting.py)
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime import context_shift
+from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.drafters import make_drafter
 from localllm.runtime.drafting import collect_drafts, settle_drafts
 from localllm.runtime.llama import Batch, Context, Model, NoKVSlot
@@ -41,8 +41,8 @@ __all__ = ["Engine", "Stream"]
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
-class Engine:
-    """Serve one GGUF model to many concurrent requests.
+class Engine(ThreadSubmit):
+    """Serve one GGUF model to many concurrent requests (runtime/api.py ModelEngine, in this process).
 
     n_ctx is the unified KV cache shared by all slots (a multiple of 256; one request may use all
     of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
@@ -51,6 +51,9 @@ class Engine:
     prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
     cpu_kernels: llama.Model's.
     """
+
+    kind: ClassVar[str] = "engine"
+    failure: LocalLLMError | None = None  # an in-process engine never "crashes": a fault ends the process
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
                  n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
@@ -62,6 +65,8 @@ class Engine:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
+        self._embedder: Any = None  # runtime/embed.py Embedder, made by the first embed()
+        self._embed_lock = threading.Lock()
         n_batch = max(n_batch, slots)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
@@ -119,7 +124,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
-        prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx, self.tokenize)
+        prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx)
         n_keep = 1 if request.n_keep == 0 and prompt[0] == self.model.bos else request.n_keep  # keep BOS
         n_keep = context_shift.effective_keep(n_keep, len(prompt), self.n_ctx)
         spec = SpecState.for_request(self.spec, request) if self._drafter else None
@@ -144,10 +149,44 @@ class Engine:
 
     def reset_cache(self, timeout: float = 30.0) -> None:
         """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
-        done = threading.Event()
-        self._inbox.put(lambda: (self._parked.forget(self.slots, self._drafter), done.set()))
+        self._control(lambda: self._parked.forget(self.slots, self._drafter), timeout)
+
+    def _control(self, call: Callable[[], None], timeout: float) -> None:
+        """Run `call` on the scheduler thread (which owns the context) between steps; its error is raised here."""
+        done, failed = threading.Event(), []
+
+        def run() -> None:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread, below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._inbox.put(run)
         if not done.wait(timeout):
-            raise EngineError("the engine did not answer in time")
+            raise EngineError(f"the engine did not answer in {timeout:.0f} s", "it may be stuck; restart it")
+        if failed:
+            raise failed[0]
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        """Mean-pooled, normalized embeddings from a second context on this model (made on first use)."""
+        from localllm.runtime.embed import Embedder
+
+        with self._embed_lock:
+            if self._stop:
+                raise EngineError("the engine is closed")
+            if self._embedder is None:
+                self._embedder = Embedder(self.model, threads=self.ctx.n_threads)
+            embedder = self._embedder
+        return embedder.embed(texts)
+
+    def status(self) -> dict[str, Any] | None:
+        return None  # no process or upstream of its own to report
+
+    def waiting(self) -> int:
+        """Requests not yet admitted to a slot."""
+        return len(self._waiting) + self._inbox.qsize()
 
     def idle(self) -> bool:
         return all(s.job is None for s in self.slots) and not self._waiting and self._inbox.empty()
@@ -165,6 +204,10 @@ class Engine:
             self._close_native()
 
     def _close_native(self) -> None:
+        with self._embed_lock:
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
         self._batch.close()
         if self._drafter is not None:
             self._drafter.close()
@@ -190,8 +233,7 @@ class Engine:
                     if isinstance(item, Job):
                         self._waiting.append(item)
                     elif item is not None:
-                        with contextlib.suppress(Exception):  # its caller times out; the scheduler lives on
-                            item()  # a control call (reset_cache)
+                        item()  # a control call (Engine._control: it hands its own error to its caller)
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass

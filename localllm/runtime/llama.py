@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,30 @@ def kernels_for_load(cpu_kernels: str = "auto") -> tuple[str, str]:
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
     return cpu_guard.start_load(choice.mode, choice.reason)
+
+
+@contextlib.contextmanager
+def llama_class_load(cpu_kernels: str = "auto") -> Iterator[str]:
+    """Around a load through llama_cpp.Llama (the bench baseline): the cpu_kernels choice applied as for a
+    Model (kernels_for_load); yields the mode. The Llama class has no use_extra_bufts argument, so for "none"
+    (AMX could not be kept out alone: a model was loaded here before) its default model params are swapped
+    for the length of the load; without that it took AMX's kernels and crashed on an AMX Xeon."""
+    mode, _ = kernels_for_load(cpu_kernels)
+    if mode != "none":
+        yield mode
+        return
+    default = lc.llama_model_default_params
+
+    def without_extra_bufts() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lc.llama_model_default_params = without_extra_bufts
+    try:
+        yield mode
+    finally:
+        lc.llama_model_default_params = default
 
 
 class Model:
@@ -398,7 +423,8 @@ class Context:
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512,
                  n_ubatch: int | None = None, n_threads: int | None = None, n_threads_batch: int | None = None,
-                 kv_type: str = "f16", flash_attn: bool | None = None, swa_full: bool = True) -> None:
+                 kv_type: str = "f16", flash_attn: bool | None = None, swa_full: bool = True,
+                 embeddings: bool = False) -> None:
         if kv_type not in KV_TYPES:
             raise InvalidInput(f"unknown KV cache type {kv_type!r}", f"use one of {', '.join(KV_TYPES)}")
         if not 1 <= n_seq_max <= 256:
@@ -419,6 +445,9 @@ class Context:
         else:
             p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.swa_full = swa_full
+        if embeddings:  # a context that pools hidden states (mean) instead of sampling: runtime/embed.py
+            p.embeddings = True
+            p.pooling_type = lc.LLAMA_POOLING_TYPE_MEAN
         p.kv_unified = True  # shared prefixes stored once; partial seq_cp is safe only here
         p.no_perf = True
         self._p = lc.llama_init_from_model(model._p, p)
@@ -455,6 +484,13 @@ class Context:
         if not ptr:
             raise EngineError(f"no logits for batch row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def embedding(self, seq: int) -> np.ndarray:
+        """The pooled embedding of sequence `seq` after the last decode (an embeddings context), a copy."""
+        ptr = lc.llama_get_embeddings_seq(self._p, seq)
+        if not ptr:
+            raise EngineError(f"no embedding for sequence {seq}")
+        return np.ctypeslib.as_array(ptr, shape=(lc.llama_model_n_embd(self.model._p),)).copy()
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         lc.llama_set_n_threads(self._p, n_threads, n_threads_batch or n_threads)

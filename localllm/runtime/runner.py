@@ -15,7 +15,6 @@ process, so its memory goes back to the system.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -25,12 +24,13 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from localllm.errors import EngineError, LocalLLMError, ModelLoadError
-from localllm.runtime import context_shift
 from localllm.runtime import runner_proto as proto
+from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.slots import StreamState
 from localllm.runtime.stream import Stream
 from localllm.runtime.types import Chunk, Request
@@ -38,6 +38,7 @@ from localllm.runtime.types import Chunk, Request
 LOG_LINES = 30  # llama.cpp log lines kept for the server log when a runner dies
 LOG_HINT = "the server log has llama.cpp's last lines"  # not the lines: they may name files
 CALL_TIMEOUT = 60.0  # a runner that takes longer to answer a call is stuck, not busy (calls never wait on decoding)
+EMBED_TIMEOUT = 600.0  # embeddings do real work: many long inputs take a while
 _LOG = logging.getLogger("localllm.runner")
 _STOP = ("stop",)
 
@@ -75,7 +76,7 @@ class _Cancel(threading.Event):
                 self._outbox.put(("cancel", self._rid))
 
 
-class RemoteModel:
+class RunnerModel:
     """The runner's Model as the host sees it: fixed fields from start, methods answered by the child."""
 
     def __init__(self, runner: Runner, fields: dict[str, Any]) -> None:
@@ -108,8 +109,10 @@ class RemoteModel:
         return self._runner.call("model", "size_bytes")
 
 
-class Runner:
-    """An Engine in its own process (see the module docstring)."""
+class Runner(ThreadSubmit):
+    """An Engine in its own process (see the module docstring); runtime/api.py ModelEngine."""
+
+    kind: ClassVar[str] = "runner"
 
     def __init__(self, model_path: str | Path, *, load_timeout: float = 600.0, **engine_kwargs: Any) -> None:
         self.path = Path(model_path)
@@ -150,7 +153,7 @@ class Runner:
         self.n_ctx: int = info["n_ctx"]
         self.n_batch: int = info["n_batch"]
         self.n_slots: int = info["slots"]
-        self.model = RemoteModel(self, info["model"])
+        self.model = RunnerModel(self, info["model"])
 
     # ---- the Engine's public API -----------------------------------------------------------------
     def submit(self, request: Request) -> Stream:
@@ -158,10 +161,6 @@ class Runner:
         rid = f"{request.id}#{next(self._ids)}"
         state = StreamState()
         state.cancelled = _Cancel(self._outbox, rid, state)
-        if request.truncate is not None:  # a hook into the caller's chat: it runs here, not in the runner
-            request = self._fit_history(request, state)
-        if request.reply is not None:  # the doors' business, and no class the runner need import
-            request = dataclasses.replace(request, reply=None)
         with self._lock:
             self._check()
             reply = self._replies[rid] = _Reply()
@@ -181,16 +180,6 @@ class Runner:
             raise
         return Stream(state, request.id, lambda: None, list(reply.value))
 
-    def _fit_history(self, request: Request, state: StreamState) -> Request:
-        """Apply truncate_history in the host; the runner gets a prompt that fits and no callable."""
-        prompt = (self.tokenize(request.prompt, add_special=request.add_special,
-                                parse_special=request.parse_special)
-                  if isinstance(request.prompt, str) else list(request.prompt))
-        prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx, self.tokenize)
-        for notice in notices:  # the engine emits its own notices first too: before any token
-            state.put(Chunk(notice=notice))
-        return dataclasses.replace(request, prompt=prompt, truncate=None)
-
     def generate(self, request: Request) -> Any:
         return self.submit(request).result()
 
@@ -208,7 +197,11 @@ class Runner:
         return {**self.call("engine", "stats"), "runner": self.status()}
 
     def reset_cache(self, timeout: float = 30.0) -> None:
-        self.call("engine", "reset_cache", timeout=timeout)
+        self.call("engine", "reset_cache", timeout=timeout, _wait=timeout + 5)
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        """Embeddings from the runner's model (its own embedding context, made there on first use)."""
+        return self.call("engine", "embed", list(texts), _wait=EMBED_TIMEOUT)
 
     def idle(self) -> bool:
         """No request in flight, known here: the engine frees a slot before it sends the finishing chunk,
@@ -254,16 +247,17 @@ class Runner:
         self.close()
 
     # ---- calls -----------------------------------------------------------------------------------
-    def call(self, target: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, target: str, method: str, *args: Any, _wait: float = CALL_TIMEOUT, **kwargs: Any) -> Any:
+        """`target.method(*args, **kwargs)` in the runner (target "engine" or "model"); waits `_wait` s."""
         cid = next(self._ids)
         with self._lock:
             self._check()
             reply = self._replies[cid] = _Reply()
         self._send(("call", cid, target, method, args, kwargs))
-        if not reply.done.wait(CALL_TIMEOUT):
+        if not reply.done.wait(_wait):
             with self._lock:
                 self._replies.pop(cid, None)
-            raise EngineError(f"the runner for {self.label} did not answer {method} in {CALL_TIMEOUT:.0f} s",
+            raise EngineError(f"the runner for {self.label} did not answer {method} in {_wait:.0f} s",
                               "it may be stuck; unload the model to restart it")
         if not reply.ok:
             raise reply.value

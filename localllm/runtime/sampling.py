@@ -25,8 +25,8 @@ def validate(req: Request) -> None:
             problems.append("prompt is empty")
     elif not req.prompt:
         problems.append("prompt is empty")
-    if req.context_policy not in ("error", "shift", "truncate_history"):
-        problems.append(f"context_policy must be error, shift or truncate_history, got {req.context_policy!r}")
+    if req.context_policy not in ("error", "shift"):
+        problems.append(f"context_policy must be error or shift, got {req.context_policy!r}")
     if not isinstance(req.n_keep, int) or req.n_keep < -1:
         problems.append(f"n_keep must be >= -1, got {req.n_keep!r}")
     if isinstance(req.stop, str):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-ContextPolicy = Literal["error", "shift", "truncate_history"]
-CONTEXT_POLICIES: tuple[str, ...] = ("error", "shift", "truncate_history")
+# what the engine does when a sequence outgrows the context: stop with a notice, or shift (keep n_keep, drop
+# the oldest half of the rest); dropping whole chat turns (truncate_history) is the request builder's
+ContextPolicy = Literal["error", "shift"]
 # Request.n_probs: most likely tokens reported per generated token (each is a JSON object on the wire)
 MAX_N_PROBS = 256
 
@@ -103,14 +103,6 @@ class Request:
     # of the raw logits.
     n_probs: int | None = None
     post_sampling_probs: bool = False
-    # truncate_history hook: given the largest prompt (in tokens) that fits, return a shorter
-    # prompt (text or tokens) — e.g. the chat re-rendered without its oldest turns — or None.
-    truncate: Callable[[int], str | list[int] | None] | None = None
-    # how the doors read the reply (compose.reply.ReplyFormat: reasoning markers, tool-call syntax, the
-    # reasoning budget); the engine never looks at it
-    reply: Any = None
-    # a remote model's call to its upstream (compose.remote.UpstreamCall): the text goes there, not tokens
-    upstream: Any = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

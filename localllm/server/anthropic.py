@@ -30,9 +30,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, ToolCall
-from localllm.errors import LocalLLMError
-from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result, Usage
 from localllm.server.anthropic_wire import (
     CountTokensRequest,
@@ -43,12 +42,14 @@ from localllm.server.anthropic_wire import (
 )
 from localllm.server.lifecycle import Generation, Lease, default_model, held
 from localllm.server.security import anthropic_error
+from localllm.server.state import ServerState, server_state
+from localllm.server.wire import error_text
 
 router = APIRouter()
 SSE = "text/event-stream"
 
 
-def _build(state: Any, body: MessagesRequest | CountTokensRequest, lease: Lease) -> GenRequest:
+def _build(state: ServerState, body: MessagesRequest | CountTokensRequest, lease: Lease) -> Plan:
     limit = body.max_tokens if isinstance(body, MessagesRequest) else None
     return state.composer.builder(lease.name, lease.engine).chat(chat_messages(body), chat_options(body, limit),
                                                                  tools=chat_tools(body.tools))
@@ -142,12 +143,6 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def _error_message(exc: BaseException) -> tuple[int, str]:
-    if isinstance(exc, LocalLLMError):
-        return exc.status, exc.message + (f" ({exc.hint})" if exc.hint else "")
-    return 500, f"generation failed ({type(exc).__name__}); see the server log"
-
-
 async def _events(g: Generation, body: MessagesRequest, msg_id: str) -> AsyncIterator[bytes]:
     """The reply as Anthropic's stream: message_start, ping, the blocks' events, message_delta,
     message_stop. An error after the stream started is an `error` event, and the stream ends."""
@@ -163,7 +158,7 @@ async def _events(g: Generation, body: MessagesRequest, msg_id: str) -> AsyncIte
         async with g:
             async for chunk, deltas in g.replies():
                 if chunk.error is not None:
-                    yield _event("error", anthropic_error(*_error_message(chunk.error)))
+                    yield _event("error", anthropic_error(*error_text(chunk.error)))
                     return
                 for name, data in blocks.feed(deltas):
                     yield _event(name, data)
@@ -179,7 +174,7 @@ async def _events(g: Generation, body: MessagesRequest, msg_id: str) -> AsyncIte
         yield _event("message_stop", {"type": "message_stop"})
     except Exception as exc:  # this client's stream only; the server log has the details
         logging.getLogger("localllm.server").exception("stream failed")
-        yield _event("error", anthropic_error(*_error_message(exc)))
+        yield _event("error", anthropic_error(*error_text(exc)))
     finally:
         g.close()
 
@@ -187,7 +182,7 @@ async def _events(g: Generation, body: MessagesRequest, msg_id: str) -> AsyncIte
 # ---- router ------------------------------------------------------------------------------------------
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Response:
-    state = request.app.state
+    state = server_state(request)
     name = default_model(state, body.model, unknown=True)
     g = await Generation.start(state, name, lambda lease: _build(state, body, lease))
     msg_id = "msg_" + uuid.uuid4().hex[:24]
@@ -207,8 +202,9 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The rendered prompt's tokens (system, messages, tools and the generation prompt), as /v1/messages
     would send them to the model."""
-    state = request.app.state
+    state = server_state(request)
     name = default_model(state, body.model, unknown=True)
     async with held(state, name) as lease:
-        req = await run_in_threadpool(_build, state, body, lease)
-    return JSONResponse({"input_tokens": len(req.prompt) if isinstance(req.prompt, list) else 0})
+        plan = await run_in_threadpool(_build, state, body, lease)
+    prompt = plan.request.prompt
+    return JSONResponse({"input_tokens": len(prompt) if isinstance(prompt, list) else 0})

@@ -1,13 +1,12 @@
-"""`create_app(...)`: builds the FastAPI app with everything it needs on `app.state`; no module globals."""
+"""`create_app(...)`: builds the FastAPI app and its typed state (server/state.py); no module globals."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +18,13 @@ from localllm import __version__
 from localllm.config import Settings, load_settings, model_names
 from localllm.errors import LocalLLMError
 from localllm.server.security import BodyTooLarge, GuardMiddleware, body_problem, error_body, is_blob_upload
+from localllm.server.state import LoadTracker, ServerState
 from localllm.server.supersede import Supersede
+
+if TYPE_CHECKING:
+    from localllm.compose.pool import ModelPool
+    from localllm.compose.spec import Composer
+    from localllm.models.store import Store
 
 
 def _json_error(request: Request, status: int, message: str) -> Response:
@@ -88,32 +93,7 @@ async def _send_error(send: Any, path: str, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class LoadTracker:
-    """How many engines the pool is building right now: /health answers 503 "loading model" meanwhile,
-    like llama-server. Kept here (wrapping the pool's engine factory) so the runtime needs no flag."""
-
-    def __init__(self) -> None:
-        self._n = 0
-        self._lock = threading.Lock()
-
-    @property
-    def loading(self) -> bool:
-        return self._n > 0
-
-    def wrap(self, factory: Callable[..., Any]) -> Callable[..., Any]:
-        def build(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self._n += 1
-            try:
-                return factory(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self._n -= 1
-
-        return build
-
-
-def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = None) -> Any:
+def default_pool(settings: Settings, composer: Composer, loads: LoadTracker | None = None) -> ModelPool:
     """The pool the CLI's server uses: a runner process per model, a memory budget of most of the RAM."""
     from localllm.compose.pool import ModelPool, engine_factory, parse_keep_alive
 
@@ -129,7 +109,7 @@ def default_pool(settings: Settings, composer: Any, loads: LoadTracker | None = 
                      default_keep_alive=parse_keep_alive(settings.keep_alive))
 
 
-def _installed_name(store: Any, name: str | None) -> str | None:
+def _installed_name(store: Store, name: str | None) -> str | None:
     """The store's own name for `name` (`tiny` → `tiny:latest`), or `name` as given when it is not found."""
     if not name:
         return None
@@ -143,12 +123,12 @@ def _installed_name(store: Any, name: str | None) -> str | None:
 async def load_default_model(app: FastAPI) -> None:
     """Load the models of `serve --model a,b` once at start, in order, and keep them loaded (pinned in the
     pool: no keep_alive or eviction unloads them); /health answers 503 "Loading model" until all are. A
-    model that cannot load is logged and handed to `app.state.on_fatal` (the CLI stops the server, as
+    model that cannot load is logged and handed to `ServerState.on_fatal` (the CLI stops the server, as
     llama-server does when its model fails); the ones after it are not loaded."""
-    state, log = app.state, logging.getLogger("localllm.server")
-    pin = getattr(state.pool, "pin", None)  # a caller's pool may not pin: then keep_alive -1 is all
-    for name in state.pinned_names if pin is not None else ():
-        pin(name)  # all of them before any load: a request meanwhile cannot give one a keep_alive
+    state: ServerState = app.state.server
+    log = logging.getLogger("localllm.server")
+    for name in state.pinned_names:
+        state.pool.pin(name)  # all of them before any load: a request meanwhile cannot give one a keep_alive
     name = state.default_name
     try:
         for name in state.pinned_names:
@@ -157,7 +137,7 @@ async def load_default_model(app: FastAPI) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - said in the log and to the CLI, never raised into the loop
-        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        message = (exc.message if isinstance(exc, LocalLLMError) else str(exc)) or type(exc).__name__
         log.error("could not load the model %s: %s", name, message)
         if state.on_fatal is not None:
             state.on_fatal(f"could not load {name}: {message}")
@@ -178,7 +158,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(settings: Settings | None = None, *, store: Any = None, catalog: Any = None,
-               pool: Any = None, remotes: Any = None) -> FastAPI:
+               pool: ModelPool | None = None, remotes: Any = None) -> FastAPI:
     """Build the server. Tests pass their own store, catalog, pool and remote models (models.remotes.Remotes);
     the CLI passes nothing."""
     from localllm.compose.spec import Composer
@@ -190,39 +170,31 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:  # what a killed server or command left in the store (the store's temp-file rule)
-            await run_in_threadpool(app.state.store.sweep_temporaries)
+            await run_in_threadpool(state.store.sweep_temporaries)
         except Exception:  # a store that cannot be swept still serves
             logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
         # the default model loads in the background: the port answers at once (/health: 503 meanwhile)
-        loading = asyncio.ensure_future(load_default_model(app)) if app.state.default_name else None
+        loading = asyncio.ensure_future(load_default_model(app)) if state.default_name else None
         yield
         if loading is not None:
             loading.cancel()
-        for embedder in app.state.embedders.values():
-            embedder.close()
-        if app.state.pool is not None and app.state.owns_pool:
-            app.state.pool.close()  # engines stop their threads and free the model files
+        if state.owns_pool:
+            state.pool.close()  # engines stop their threads and free the model files
 
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    app.state.settings = settings
-    app.state.store = store or Store()
-    app.state.catalog = catalog or Catalog.load()
-    app.state.info_cache = {}
-    app.state.composer = Composer(settings, app.state.store, app.state.catalog, app.state.info_cache, remotes)
-    app.state.remotes = app.state.composer.remotes
-    app.state.owns_pool = pool is None
-    app.state.loads = LoadTracker()  # sees the loads of the default pool (a caller's pool loads unseen)
-    app.state.pool = pool if pool is not None else default_pool(settings, app.state.composer, app.state.loads)
-    app.state.embedders = {}  # model name -> runtime.embed.Embedder, made on first use
-    app.state.embed_lock = threading.Lock()
-    app.state.supersede = Supersede()  # editor completions made stale by the next keystroke
+    store = store or Store()
+    catalog = catalog or Catalog.load()
+    composer = Composer(settings, store, catalog, {}, remotes)
+    loads = LoadTracker()  # sees the loads of the default pool (a caller's pool loads unseen)
     # `serve --model a,b`: each kept loaded, the first answers requests that name no model
-    pinned = [_installed_name(app.state.store, n) for n in model_names(settings.model)]
-    app.state.pinned_names = [n for i, n in enumerate(pinned) if n and n not in pinned[:i]]
-    app.state.default_name = app.state.pinned_names[0] if app.state.pinned_names else None
-    app.state.starting = bool(app.state.default_name)  # until the default model is loaded (or failed)
-    app.state.on_fatal = None  # the CLI's hook: the default model could not load (llama-server exits)
+    pinned = [_installed_name(store, n) for n in model_names(settings.model)]
+    pinned_names = [n for i, n in enumerate(pinned) if n and n not in pinned[:i]]
+    state = ServerState(settings=settings, store=store, catalog=catalog, composer=composer,
+                        pool=pool if pool is not None else default_pool(settings, composer, loads),
+                        owns_pool=pool is None, supersede=Supersede(), loads=loads, pinned_names=pinned_names,
+                        default_name=pinned_names[0] if pinned_names else None, starting=bool(pinned_names))
+    app.state.server = state
 
     @app.exception_handler(LocalLLMError)
     async def _local(request: Request, exc: LocalLLMError) -> Response:

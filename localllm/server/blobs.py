@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from localllm.errors import CorruptStore, DiskSpaceError, InvalidInput, InvalidModelName, NotGGUF, StoreError
 from localllm.models.files import temp_path
 from localllm.models.names import HF_PREFIXES, normalize
+from localllm.server.state import ServerState, server_state
 from localllm.server.wire import Body
 
 router = APIRouter()
@@ -112,13 +113,13 @@ async def _receive(request: Request, f: IO[bytes], folder: Path) -> str:
 
 @router.head("/api/blobs/{digest}")
 async def blob_exists(digest: str, request: Request) -> Response:
-    store = request.app.state.store
+    store = server_state(request).store
     return Response(status_code=200 if store.has_blob(parse_digest(digest)) else 404)
 
 
 @router.post("/api/blobs/{digest}")
 async def blob_upload(digest: str, request: Request) -> Response:
-    store = request.app.state.store
+    store = server_state(request).store
     want = parse_digest(digest)
     try:
         if store.has_blob(want):
@@ -162,7 +163,7 @@ class CreateBody(Body):
     stream: bool = True
 
 
-def _created(state: Any, body: CreateBody) -> tuple[str, str]:
+def _created(state: ServerState, body: CreateBody) -> tuple[str, str]:
     """Check the request and write the manifest: (name, digest). Raises a 4xx LocalLLMError."""
     from localllm.models.gguf_meta import quant_name, read_gguf
     from localllm.models.store import Manifest
@@ -217,7 +218,7 @@ def _created(state: Any, body: CreateBody) -> tuple[str, str]:
 
 @router.post("/api/create")
 async def create(body: CreateBody, request: Request) -> Response:
-    state = request.app.state
+    state = server_state(request)
     _, digest = await run_in_threadpool(_created, state, body)
     lines = [{"status": "parsing GGUF"}, {"status": f"using existing layer {digest}"},
              {"status": "writing manifest"}, {"status": "success"}]

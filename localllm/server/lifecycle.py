@@ -1,18 +1,18 @@
-"""The one generation lifecycle of the server: lease a model → build the request → submit → stream or
-collect → release, with the lease released exactly once on every path (finished, failed, client gone,
-response never started).
+"""The one generation lifecycle of the server: lease a model → build the plan → submit → read the reply
+through the one pipeline (compose/pipeline.py) → release, with the lease released exactly once on every
+path (finished, failed, client gone, response never started).
 
 A dialect module calls `Generation.start(...)` and then either `await gen.collect()` or, inside its
-response generator, `async with gen: async for chunk in gen.chunks(): ...`. It keeps only its wire
-models and its rendering. `held(...)` leases a model for the non-generating requests (tokenize,
-detokenize). Transport-free: nothing here knows SSE, NDJSON or status codes (errors carry them).
+response generator, `async with gen: async for chunk, deltas in gen.replies(): ...`. It keeps only its
+wire models and its rendering. `held(...)` leases a model for the requests that do not generate
+(tokenize, detokenize, embeddings). Transport-free: nothing here knows SSE, NDJSON or status codes
+(errors carry them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import time
 import weakref
@@ -22,10 +22,14 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from localllm.compose.pipeline import AsyncReply, acollect
+from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, ReplyParser
+from localllm.config import Settings
 from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError, ModelNotFound, Overloaded
-from localllm.runtime.stream import achunks
-from localllm.runtime.types import Chunk, Request, Result, Usage
+from localllm.runtime.api import ModelEngine, TokenStream
+from localllm.runtime.types import Chunk, Request, Result
+from localllm.server.state import ServerState
 
 DEFAULT_MAX_WAITING = 64  # per engine; beyond it a request gets 503 + Retry-After instead of waiting forever
 RETRY_AFTER_S = 2
@@ -36,7 +40,7 @@ class Lease:
     """An engine held for one request (not evicted while held); release() is idempotent."""
 
     name: str
-    engine: Any
+    engine: ModelEngine
     load_ms: float
     _cm: Any = None
     _released: bool = False
@@ -51,16 +55,15 @@ class Lease:
             self._cm.__exit__(None, None, None)
 
 
-async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = None,
+async def acquire(state: ServerState, name: Any, *, options: dict[str, Any] | None = None,
                   keep_alive: Any = None) -> Lease:
     """Load (or find) the model off the event loop and hold it; raises 4xx errors for bad names."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("missing field 'model'", "send \"model\": \"name:tag\"")
     pool = state.pool
     t0 = time.perf_counter()
-    composer = getattr(state, "composer", None)
-    if keep_alive is None and not options and composer is not None and hasattr(pool, "use_remote"):
-        remote = composer.remote(name)  # a loaded remote model is held at once: no worker thread, no wait
+    if keep_alive is None and not options:
+        remote = state.composer.remote(name)  # a loaded remote model is held at once: no worker thread, no wait
         fast = pool.use_remote(remote.name, remote) if remote is not None else None
         if fast is not None:
             return Lease(remote.name, fast.__enter__(), (time.perf_counter() - t0) * 1000, fast)
@@ -78,15 +81,11 @@ async def acquire(state: Any, name: Any, *, options: dict[str, Any] | None = Non
         if "/" in exc.message or "\\" in exc.message:  # never show a client where the files live
             raise ModelLoadError(f"could not load {name}", "see the server log") from None
         raise
-    finder = getattr(pool, "name_of", None)
-    key = (finder(engine) if finder else None) or name
-    if keep_alive is None and not hasattr(pool, "pin") and key in getattr(state, "pinned_names", ()):
-        pool.touch(key, -1)  # a pool that cannot pin: the server's --model stays loaded this way
-    return Lease(key, engine, (time.perf_counter() - t0) * 1000, cm)
+    return Lease(pool.name_of(engine) or name, engine, (time.perf_counter() - t0) * 1000, cm)
 
 
 @contextlib.asynccontextmanager
-async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
+async def held(state: ServerState, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
     """A model leased for a request that does not generate (load, tokenize, detokenize)."""
     lease = await acquire(state, name, **kwargs)
     try:
@@ -95,14 +94,14 @@ async def held(state: Any, name: str, **kwargs: Any) -> AsyncIterator[Lease]:
         lease.release()
 
 
-def default_model(state: Any, model: str | None, *, unknown: bool = False) -> str:
+def default_model(state: ServerState, model: str | None, *, unknown: bool = False) -> str:
     """The model a llama.cpp-style request means: the given name, else the server's default model (the
     first of `serve --model a,b`), else the most recently loaded model, else the only installed one. With
     `unknown=True` (the OpenAI door: llama-server serves its model whatever the field says) a valid name
     that is not installed means the same, when that choice is clear: the default model, else exactly one
     model loaded, else exactly one installed; otherwise a 404 that names the model and lists what is
     installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`)."""
-    default = getattr(state, "default_name", None)
+    default = state.default_name
     if model:
         if not unknown:
             return model
@@ -112,12 +111,12 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
             return model
         if man is not None:
             return str(man.name)
-        remote = state.composer.remote(model) if getattr(state, "composer", None) is not None else None
+        remote = state.composer.remote(model)
         if remote is not None:
             return str(remote.name)
         if default:
             return str(default)
-        loaded = state.pool.loaded() if state.pool is not None else []
+        loaded = state.pool.loaded()
         if len(loaded) == 1:
             return str(loaded[0]["name"])
         installed = state.store.list()
@@ -128,7 +127,7 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
                             f"in its place (installed: {names})", "name one of the installed models")
     if default:
         return str(default)
-    loaded = state.pool.loaded() if state.pool is not None else []
+    loaded = state.pool.loaded()
     if loaded:
         return str(loaded[-1]["name"])
     installed = state.store.list()
@@ -138,31 +137,27 @@ def default_model(state: Any, model: str | None, *, unknown: bool = False) -> st
                        "add \"model\": \"name:tag\" to the request, or load one first (e.g. via /api/generate)")
 
 
-def max_waiting(settings: Any) -> int:
-    value = getattr(settings, "extra", {}).get("max_waiting", DEFAULT_MAX_WAITING)
+def max_waiting(settings: Settings) -> int:
+    value = settings.extra.get("max_waiting", DEFAULT_MAX_WAITING)
     return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_WAITING
 
 
-def check_capacity(engine: Any, limit: int) -> None:
+def check_capacity(engine: ModelEngine, limit: int) -> None:
     """Refuse early when the engine's queue is already long: the client retries instead of hanging."""
-    try:
-        count = getattr(engine, "waiting", None)  # a runner counts here, without a round trip
-        waiting = int(count() if callable(count) else engine.stats().get("waiting", 0))
-    except Exception:  # noqa: BLE001 - stats are advisory
-        return
+    waiting = engine.waiting()  # counted where the requests are sent (a runner's host, no round trip)
     if waiting >= limit:
         raise Overloaded(f"the server is busy ({waiting} requests waiting)", f"retry in {RETRY_AFTER_S} s")
 
 
 class Generation:
-    """One request's life: its lease, its Request, its stream. Use once: collect() or chunks()."""
+    """One request's life: its lease, its plan, its reply (compose/pipeline.py). Use once: collect() or
+    replies()."""
 
-    def __init__(self, state: Any, lease: Lease, request: Request, stream: Any, keep_alive: Any) -> None:
-        self.state, self.lease, self.request, self.stream = state, lease, request, stream
+    def __init__(self, state: ServerState, lease: Lease, plan: Plan, stream: TokenStream, keep_alive: Any) -> None:
+        self.state, self.lease, self.plan = state, lease, plan
         self.keep_alive = keep_alive
-        self.finished = False  # the stream reached its end (nothing left to cancel)
-        self.completed = False  # ... and its reader saw it all: keep_alive applies
-        self.parser = ReplyParser(request.reply)  # the reply, read as it streams (replies())
+        self.completed = False  # the reply was read to its end: keep_alive applies
+        self.reply = AsyncReply(plan, stream, lease.engine.n_ctx, self._submit)
         # a response that never starts (client gone before the first byte) still lets go of the model
         weakref.finalize(self, lease.release)
 
@@ -171,29 +166,44 @@ class Generation:
         return self.lease.name
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> ModelEngine:
         return self.lease.engine
+
+    @property
+    def request(self) -> Request:
+        return self.plan.request
+
+    @property
+    def stream(self) -> TokenStream:
+        """The stream running now (a reasoning budget may have swapped it for its continuation)."""
+        return self.reply.stream
+
+    @property
+    def parser(self) -> ReplyParser:
+        return self.reply.parser
 
     @property
     def load_ms(self) -> float:
         return self.lease.load_ms
 
     @classmethod
-    async def start(cls, state: Any, name: Any, build: Callable[[Lease], Request], *,
+    async def start(cls, state: ServerState, name: Any, build: Callable[[Lease], Plan], *,
                     options: dict[str, Any] | None = None, keep_alive: Any = None) -> Generation:
-        """Lease the model, build the request off the event loop (rendering, tokenizing) and submit it.
+        """Lease the model, build the plan off the event loop (rendering, tokenizing) and submit it.
         Any error releases the lease and propagates (the dialect answers it with a status code)."""
         lease = await acquire(state, name, options=options, keep_alive=keep_alive)
         try:
-            engine = lease.engine  # a remote model's engine builds and submits without worker threads
-            req = build(lease) if getattr(engine, "light_build", False) else await run_in_threadpool(build, lease)
+            engine = lease.engine  # a remote model's engine builds and submits on this loop, no worker thread
+            plan = build(lease) if engine.on_loop else await run_in_threadpool(build, lease)
             check_capacity(engine, max_waiting(state.settings))
-            asubmit = getattr(engine, "asubmit", None)
-            stream = await asubmit(req) if asubmit else await run_in_threadpool(engine.submit, req)
+            stream = await _submit(engine, plan.request)
         except BaseException:
             lease.release()
             raise
-        return cls(state, lease, req, stream, keep_alive)
+        return cls(state, lease, plan, stream, keep_alive)
+
+    async def _submit(self, request: Request) -> TokenStream:
+        return await _submit(self.engine, request)
 
     async def __aenter__(self) -> None:
         return None
@@ -204,98 +214,33 @@ class Generation:
     def close(self) -> None:
         """Stop generating (if still running) and release the model; then apply the request's keep_alive
         (after the release: keep_alive 0 unloads at once only when no request holds the model)."""
-        if not self.finished:
-            self.stream.cancel()
+        if not self.reply.reader.finished:
+            self.reply.stream.cancel()
         self.lease.release()
-        if self.completed and self.keep_alive is not None and self.state.pool is not None:
+        if self.completed and self.keep_alive is not None:
             self.completed = False  # once
             self.state.pool.touch(self.lease.name, self.keep_alive)
 
-    async def chunks(self) -> AsyncIterator[Chunk]:
-        """The stream's chunks, in order (an error arrives as a chunk with `error` set)."""
-        async for chunk in achunks(self.stream):
-            yield chunk
-            if chunk.finish_reason:
-                self.finished = True
-        self.finished = self.completed = True
-
     async def replies(self) -> AsyncIterator[tuple[Chunk, list[Delta]]]:
-        """The chunks, each with the reply read from it (compose.reply: reasoning, answer text, tool calls;
-        the last chunk carries what was held back). When the reasoning outgrows the request's budget, it is
-        closed for the model: this stream is cancelled (and read to its end, which frees its slot with the
-        tokens in it) and one continuing from its tokens plus the close marker takes its place, so the
-        prefix cache prefills only the marker; usage counts both as one reply."""
-        budget = getattr(self.request.reply, "budget", None)
-        spent, generated = 0, []
-        cont: tuple[int, int, int] | None = None  # prompt tokens, tokens before the swap, cached tokens
-        while True:
-            draining, cached = False, 0
-            async for chunk in achunks(self.stream):
-                if draining:  # what the cancelled stream still sends: only its cache count matters
-                    if chunk.error is not None:  # it failed instead: that is the reply's end
-                        self.finished = True
-                        yield chunk, self.parser.finish()
-                        draining = False
-                        break
-                    if chunk.finish_reason:
-                        cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
-                        break
-                    continue
-                thinking = self.parser.in_reasoning
-                generated += chunk.tokens
-                spent += len(chunk.tokens) if thinking else 0
-                deltas = self.parser.feed(chunk.text)
-                if chunk.finish_reason:
-                    self.finished = True
-                    deltas += self.parser.finish()
-                    if cont is not None and chunk.usage is not None:
-                        chunk.usage = Usage(cont[0], cont[1] + chunk.usage.completion_tokens, cont[2])
-                yield chunk, deltas
-                if (budget is not None and spent >= budget and self.parser.in_reasoning and cont is None
-                        and not chunk.finish_reason and self._room(generated)):
-                    self.stream.cancel()
-                    draining = True
-            if not draining:
-                break
-            cont = await self._answer(generated, cached)
-            yield Chunk(), self.parser.close_reasoning()
-        self.finished = self.completed = True
-
-    def _prompt(self) -> list[int]:
-        """The prompt the engine ran (after any truncation), else the request's."""
-        ran = getattr(self.stream, "prompt", None)
-        return list(ran) if ran else list(self.request.prompt)
-
-    def _room(self, generated: list[int]) -> bool:
-        """Whether a continuation fits: tokens left to generate, and room in the context for the answer."""
-        req = self.request
-        if not isinstance(req.prompt, list) or getattr(req.reply, "think", None) is None:
-            return False
-        n_ctx = int(getattr(self.engine, "n_ctx", 0) or 0)
-        used = len(self._prompt()) + len(generated) + 8  # the close marker and a few answer tokens
-        return (req.max_tokens or 0) - len(generated) > 2 and (not n_ctx or used < n_ctx)
-
-    async def _answer(self, generated: list[int], cached: int) -> tuple[int, int, int]:
-        """Submit the rest of the reply: the prompt, the reasoning so far and its close marker, then the
-        answer. Returns (prompt tokens, tokens generated before it, prompt tokens that were cached)."""
-        req = self.request
-        prompt = self._prompt()
-        # the marker first: text that starts with a newline would get SentencePiece's space prefix
-        close = await run_in_threadpool(self.engine.tokenize, req.reply.think[1] + "\n\n",
-                                        add_special=False, parse_special=True)
-        left = max((req.max_tokens or 0) - len(generated) - len(close), 1)
-        nxt = dataclasses.replace(req, prompt=[*prompt, *generated, *close], max_tokens=left,
-                                  truncate=None, id=req.id + "-answer")
-        self.stream = await run_in_threadpool(self.engine.submit, nxt)
-        return len(prompt), len(generated) + len(close), min(cached, len(prompt))
+        """The chunks, each with the reply read from it (compose/pipeline.py: reasoning, answer text, tool
+        calls, the reasoning budget, /infill's stop rules)."""
+        async for item in self.reply:
+            yield item
+        self.completed = True
 
     async def collect(self) -> Result:
         """The whole generation (the reply it read is in `parser`); raises the request's error."""
-        res = Result()
         async with self:
-            async for chunk, _ in self.replies():
-                res.absorb(chunk)
+            res = await acollect(self.replies())
         return res
+
+
+async def _submit(engine: ModelEngine, request: Request) -> TokenStream:
+    """Submit without blocking the event loop: on it where the engine never blocks (a remote model), else
+    from a worker thread (tokenizing, a runner's round trip)."""
+    if engine.on_loop:
+        return await engine.asubmit(request)
+    return await run_in_threadpool(engine.submit, request)
 
 
 def finish_reason(reason: str | None) -> str:

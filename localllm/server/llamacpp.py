@@ -19,22 +19,27 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from localllm.compose.requests import PARAM_KEYS, Options
+from localllm.compose.pipeline import amerge
+from localllm.compose.plan import Plan, TextLimits
+from localllm.compose.remote_requests import RemoteBuilder
+from localllm.compose.requests import PARAM_KEYS, Options, RequestBuilder
 from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
 from localllm.runtime.types import GenerationParams, Result
-from localllm.runtime.types import Request as GenRequest
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, default_model, held
-from localllm.server.llamacpp_prompts import merged, split_prompts
-from localllm.server.wire import Body, notice_dict, probs_json, timings_dict
+from localllm.server.llamacpp_prompts import Prompt, split_prompts
+from localllm.server.state import server_state
+from localllm.server.wire import Body, error_text, notice_dict, probs_json, timings_dict
+
+Builder = RequestBuilder | RemoteBuilder
+Build = Callable[[Builder, Options], Plan]  # one prompt's plan, from the model's builder and the options
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -185,53 +190,26 @@ def _exceed(exc: ContextOverflow) -> JSONResponse:
                                    "n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx}}, status_code=400)
 
 
-class _Limits:
-    """n_indent and t_max_predict_ms, as llama-server applies them to each new piece of text."""
-
-    def __init__(self, body: CompletionBody) -> None:
-        self.n_indent, self.t_max = body.n_indent, body.t_max_predict_ms
-        self.t0: float | None = None  # the clock starts with the first generated text, as in llama-server
-
-    def cut(self, text: str) -> str | None:
-        """The text to keep when a limit is hit, else None."""
-        if self.t0 is None:
-            self.t0 = time.perf_counter()
-        if self.n_indent > 0 and "\n" in text:
-            start = 0
-            while (nl := text.find("\n", start)) >= 0:
-                line = text[nl + 1:]
-                stripped = line.lstrip(" \t")
-                # a line that has begun (not just whitespace) and sits left of the cursor's indent
-                if stripped and "\n" not in line[: len(line) - len(stripped)] \
-                        and len(line) - len(stripped) < self.n_indent:
-                    return text[: nl + 1]
-                start = nl + 1
-        if self.t_max and self.t_max > 0 and "\n" in text and (time.perf_counter() - self.t0) * 1000 > self.t_max:
-            return text
-        return None
-
-
-async def _start(request: Request, body: CompletionBody, build: Any,
+async def _start(request: Request, body: CompletionBody, build: Build,
                  index: int) -> tuple[Generation, AsyncIterator[dict[str, Any]]]:
     """Start one prompt (the `index`-th of a batch); its events: llama-server's partial ones, then the final."""
-    state = request.app.state
+    state = server_state(request)
     name = default_model(state, body.model)
     g = await Generation.start(state, name, lambda lease: build(state.composer.builder(lease.name, lease.engine),
                                                                  _wire_options(body)))
     req, engine = g.request, g.engine
     # what generation_settings reports: the request's n_predict, else the server's default (-1: none)
     n_predict = body.n_predict if body.n_predict is not None else (state.composer.defaults().max_tokens or -1)
-    prompt_ids = list(getattr(g.stream, "prompt", None) or [])
-    limits, warmup = _Limits(body), body.n_predict == 0
-    n_ctx = int(getattr(engine, "n_ctx", 0) or 0)
+    prompt_ids = list(g.stream.prompt)
+    warmup = body.n_predict == 0
 
     def id_slot() -> int:
-        slot = getattr(g.stream, "slot", None)
+        slot = g.stream.slot
         return slot if slot is not None else (body.id_slot if body.id_slot is not None else -1)
 
     def prompt_text() -> str:
         """The prompt as the model saw it, special tokens written out (llama-server's `prompt`)."""
-        model = getattr(engine, "model", None)
+        model = engine.model
         return model.detokenize(prompt_ids, special=True) if model is not None and prompt_ids else ""
 
     def final(acc: Result, stop_type: str, shown: str) -> dict[str, Any]:
@@ -240,7 +218,7 @@ async def _start(request: Request, body: CompletionBody, build: Any,
         return {"index": index, "content": text, "tokens": tokens, "id_slot": id_slot(), "stop": True, "model": name,
                 "tokens_predicted": 0 if warmup else acc.usage.completion_tokens,
                 "tokens_evaluated": acc.usage.prompt_tokens,
-                "generation_settings": generation_settings(req.params, n_ctx, n_predict=n_predict, stop=req.stop,
+                "generation_settings": generation_settings(req.params, engine.n_ctx, n_predict=n_predict, stop=req.stop,
                                                  n_keep=body.n_keep, ignore_eos=body.ignore_eos, stream=body.stream,
                                                  grammar=body.grammar, samplers=body.samplers, model=name,
                                                  n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs),
@@ -255,40 +233,26 @@ async def _start(request: Request, body: CompletionBody, build: Any,
                 **({"completion_probabilities": probs_json(acc.probs)} if acc.probs and not body.stream else {})}
 
     async def run() -> AsyncIterator[dict[str, Any]]:
-        """llama-server's partial events (a piece of text and its token ids) as they come, then the final one."""
-        acc, stop_type, cut = Result(), None, False
+        """llama-server's partial events (a piece of text and its token ids) as they come, then the final one
+        (the pipeline has cut the text at n_indent / t_max_predict_ms, as a length stop)."""
+        acc, stop_type = Result(), None
         n_prompt = len(prompt_ids)
-        async for chunk in g.chunks():
-            if cut:  # stopped at n_indent / t_max_predict_ms: the cancelled stream's last chunk has the counts
-                acc.usage, acc.timings = chunk.usage or acc.usage, chunk.timings or acc.timings
-                continue
-            acc.absorb(chunk)
-            kept = None
-            if (chunk.text or chunk.tokens) and not warmup:
-                piece = chunk.text
-                if chunk.text:
-                    kept = limits.cut(acc.text)
-                    if kept is not None:
-                        piece = chunk.text[: max(0, len(chunk.text) - (len(acc.text) - len(kept)))]
-                        acc.text, stop_type = kept, "limit"
-                if piece or chunk.tokens:
-                    yield {"index": index, "content": piece, "tokens": list(chunk.tokens), "stop": False,
-                           "id_slot": id_slot(), "tokens_predicted": len(acc.tokens),
-                           "tokens_evaluated": n_prompt,
+        async with g:
+            async for chunk, _ in g.replies():
+                acc.absorb(chunk)
+                if (chunk.text or chunk.tokens) and not warmup:
+                    yield {"index": index, "content": chunk.text, "tokens": list(chunk.tokens), "stop": False,
+                           "id_slot": id_slot(), "tokens_predicted": len(acc.tokens), "tokens_evaluated": n_prompt,
                            **({"completion_probabilities": probs_json(chunk.probs)} if chunk.probs else {})}
-                if kept is not None:
-                    g.stream.cancel()  # no more text; read on for the usage and timings llama-server reports
-                    cut = True
-                    continue
-            if chunk.finish_reason:  # "stop" is a stop string (the engine names it) or an end-of-generation token
-                stop_type = {"length": "limit", "cancelled": "none"}.get(chunk.finish_reason) or (
-                    "word" if chunk.stop_word else "eos")
+                if chunk.finish_reason:  # "stop": a stop string (the engine names it) or an end-of-generation token
+                    stop_type = {"length": "limit", "cancelled": "none"}.get(chunk.finish_reason) or (
+                        "word" if chunk.stop_word else "eos")
         yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))
 
     return g, run()
 
 
-async def _generate(request: Request, body: CompletionBody, *builds: Any, edit: str | None = None) -> Response:
+async def _generate(request: Request, body: CompletionBody, *builds: Build, edit: str | None = None) -> Response:
     """Generate for each prompt (one, or a batch): one JSON object, or an array in prompt order for a batch
     of several, or one SSE stream of all of them, as llama-server answers. `edit`: the text an editor's
     single completion is for; a newer one from the same client supersedes it (server/supersede.py)."""
@@ -302,8 +266,8 @@ async def _generate(request: Request, body: CompletionBody, *builds: Any, edit: 
         if isinstance(exc, ContextOverflow):
             return _exceed(exc)
         raise
-    sup, key = request.app.state.supersede, None
-    if edit is not None and len(runs) == 1 and body.n_predict != 0 and request.app.state.settings.supersede:
+    sup, key = server_state(request).supersede, None
+    if edit is not None and len(runs) == 1 and body.n_predict != 0 and server_state(request).settings.supersede:
         key = (request.client.host if request.client else "", runs[0][0].name,
                body.id_slot if body.id_slot is not None else -1)
         sup.claim(key, edit, runs[0][0].stream)
@@ -315,26 +279,29 @@ async def _generate(request: Request, body: CompletionBody, *builds: Any, edit: 
     if not body.stream:
         finals: dict[int, dict[str, Any]] = {}
         try:
-            async for item in merged(runs):
+            async for _, item in amerge([events for _, events in runs]):
                 if item["stop"]:
                     finals[item["index"]] = flatten(item, body.response_fields)
         finally:
+            for g, _ in runs:
+                g.close()
             done()
         out = [finals[i] for i in sorted(finals)]
         return JSONResponse(out[0] if len(out) == 1 else out)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            async for item in merged(runs):
+            async for _, item in amerge([events for _, events in runs]):
                 data = flatten(item, body.response_fields) if item["stop"] else item
                 yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
         except Exception as exc:  # sent to this client only, as an error event
-            # our own errors say what went wrong; anything else could carry paths: name its type only
-            msg = exc.message if isinstance(exc, LocalLLMError) else f"generation failed ({type(exc).__name__})"
             if not isinstance(exc, LocalLLMError):
                 logging.getLogger("localllm.server").exception("stream failed")
-            yield f"data: {json.dumps({'error': {'code': 500, 'message': str(msg)}})}\n\n".encode()
+            code, msg = error_text(exc)
+            yield f"data: {json.dumps({'error': {'code': code, 'message': msg}})}\n\n".encode()
         finally:
+            for g, _ in runs:
+                g.close()
             done()
 
     return StreamingResponse(events(), media_type=SSE)
@@ -346,8 +313,9 @@ async def infill(body: InfillBody, request: Request) -> Response:
     if not isinstance(body.prompt, str):
         raise InvalidInput("prompt must be a string for /infill (the text before the cursor on its line)")
 
-    def build(builder: Any, options: Options) -> GenRequest:
-        return builder.infill(body.input_prefix, body.input_suffix, options, extra=extra, middle_prefix=str(body.prompt))
+    def build(builder: Builder, options: Options) -> Plan:
+        return builder.infill(body.input_prefix, body.input_suffix, options, extra=extra, middle_prefix=str(body.prompt),
+                              limits=TextLimits(body.n_indent, body.t_max_predict_ms))
 
     return await _generate(request, body, build, edit=f"{body.input_suffix}\x00{body.input_prefix}{body.prompt}")
 
@@ -360,7 +328,7 @@ async def completion(body: CompletionBody, request: Request) -> Response:
         raise InvalidInput("prompt is empty", "send \"prompt\": \"text\" or a list of token ids")
     prompts = split_prompts(body.prompt)
 
-    def build(prompt: Any) -> Any:
+    def build(prompt: Prompt) -> Build:
         return lambda builder, options: builder.prompt(prompt, options)
 
     return await _generate(request, body, *(build(p) for p in prompts),
@@ -369,7 +337,7 @@ async def completion(body: CompletionBody, request: Request) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-    async with held(request.app.state, default_model(request.app.state, body.model)) as lease:
+    async with held(server_state(request), default_model(server_state(request), body.model)) as lease:
         toks = lease.engine.tokenize(body.content, add_special=body.add_special, parse_special=True)
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": lease.engine.detokenize([t])} for t in toks]}
@@ -378,7 +346,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
-    async with held(request.app.state, default_model(request.app.state, body.model)) as lease:
+    async with held(server_state(request), default_model(server_state(request), body.model)) as lease:
         n_vocab = getattr(getattr(lease.engine, "model", None), "n_vocab", None)
         if n_vocab is not None and any(not 0 <= t < n_vocab for t in body.tokens):
             raise InvalidInput(f"token ids must be in 0..{n_vocab - 1}")
@@ -410,16 +378,16 @@ async def embedding(body: EmbeddingBody, request: Request) -> Response:
         raise InvalidInput("embd_normalize -1 (no normalization) is not supported",
                            "use 2 (Euclidean, the default), 1 (taxicab), 0 (max absolute) or p > 2")
     texts = [value] if isinstance(value, str) else list(value)
-    state = request.app.state
-    vectors, _ = await embed_texts(state, default_model(state, body.model), texts)
+    state = server_state(request)
+    out = await embed_texts(state, default_model(state, body.model), texts)
     return JSONResponse([{"index": i, "embedding": [_normalized(v, body.embd_normalize)]}
-                         for i, v in enumerate(vectors)])
+                         for i, v in enumerate(out.vectors)])
 
 
 @router.post("/apply-template")
 async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]:
     """The chat prompt the model's template makes of these messages, without generating."""
-    state = request.app.state
+    state = server_state(request)
     async with held(state, default_model(state, body.model)) as lease:
         fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
         return {"prompt": (await run_in_threadpool(fmt.render, body.messages)).text}

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from localllm.compose.requests import params_from
 from localllm.server.lifecycle import held
 from localllm.server.llamacpp import generation_settings
+from localllm.server.state import ServerState, server_state
 
 router = APIRouter()
 
@@ -25,16 +26,16 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     """llama-server's answer while `serve --model` loads at start: 503 "Loading model"
     (unavailable_error); later, 503 {"status": "loading model"} while the pool loads a model; else 200 ok."""
-    if getattr(request.app.state, "starting", False):
+    if getattr(server_state(request), "starting", False):
         return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
                             status_code=503)
-    loads = getattr(request.app.state, "loads", None)
+    loads = getattr(server_state(request), "loads", None)
     if loads is not None and loads.loading:
         return JSONResponse({"status": "loading model"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-def _engines(state: Any, *, local: bool = False) -> list[tuple[dict[str, Any], Any]]:
+def _engines(state: ServerState, *, local: bool = False) -> list[tuple[dict[str, Any], Any]]:
     """(pool entry, engine) for each loaded model (`local`: not the remote ones, which have no slots or
     template here), read without holding them; the server's default model (`serve --model`) last, so
     /props and /slots show it as llama-server shows its one model."""
@@ -51,7 +52,7 @@ def _engines(state: Any, *, local: bool = False) -> list[tuple[dict[str, Any], A
 @router.get("/props")
 async def props(request: Request) -> dict[str, Any]:
     """llama-server's /props for the model loaded most recently (model_path is its name, never a file path)."""
-    state = request.app.state
+    state = server_state(request)
     engines = _engines(state, local=True)
     m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
     n_ctx = getattr(engine, "n_ctx", None) or 0
@@ -81,7 +82,7 @@ def _version() -> str:
 
 @router.get("/slots")
 async def slots(request: Request) -> list[dict[str, Any]]:
-    engines = _engines(request.app.state, local=True)
+    engines = _engines(server_state(request), local=True)
     want = request.query_params.get("model")  # several models on one port: ?model= picks one
     engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
     if not engines:
@@ -101,7 +102,7 @@ async def metrics(request: Request) -> Response:
     cells = 0
     hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
     remote_rows = []  # (name, the remote engine's upstream and latency)
-    for m, engine in _engines(request.app.state):
+    for m, engine in _engines(server_state(request)):
         st = engine.stats()
         if st.get("remote"):
             remote_rows.append((m["name"], st["remote"]))

@@ -13,21 +13,16 @@ One prompt is
 
 A batch is a list with no token id at its top level (`["a", "b"]`, `["a", [1, 2]]`): each element is one
 prompt, answered with its `index`. A list that holds a token id anywhere at its top level is one prompt.
-`merged` interleaves the events of a batch's generations, as llama-server streams them.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 from localllm.errors import InvalidInput
-from localllm.server.lifecycle import Generation
 
 # one prompt for RequestBuilder.prompt: text, token ids, or pieces of both
 Prompt = str | list[int | str]
-Run = tuple[Generation, AsyncIterator[dict[str, Any]]]  # one prompt's generation and its events
 MAX_BATCH = 64  # prompts in one request; each takes a slot, the rest wait their turn in the engine's queue
 
 _SHAPES = ("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, "
@@ -74,43 +69,3 @@ def _one(value: Any, where: str) -> Prompt:
             return list(inner)  # tokenize_mixed: strings alone are joined piece by piece too
         raise InvalidInput(f"{where}.prompt_string must be a string or a list of strings and token ids")
     raise InvalidInput(_SHAPES)
-
-
-async def merged(runs: list[Run]) -> AsyncIterator[dict[str, Any]]:
-    """The events of every run as they come: a batch's prompts generate side by side, and llama-server
-    streams their events interleaved, each with its `index`. Every Generation is closed on every path
-    (finished, failed, client gone); the first error stops the batch, as in llama-server."""
-    if len(runs) == 1:
-        g, events = runs[0]
-        async with g:
-            async for item in events:
-                yield item
-        return
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
-
-    async def pump(g: Generation, events: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async with g:
-                async for item in events:
-                    queue.put_nowait(item)
-        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
-            queue.put_nowait(exc)
-        queue.put_nowait(done)
-
-    tasks = [asyncio.ensure_future(pump(g, events)) for g, events in runs]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for g, _ in runs:
-            g.close()

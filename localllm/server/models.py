@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from datetime import datetime, timezone
 from typing import Any
 
 from localllm.compose.formats import ChatFormat, chat_format
 from localllm.compose.reply import handles_tools, think_markers
 from localllm.compose.spec import details, template_override
 from localllm.errors import LocalLLMError
-from localllm.models.gguf_meta import ModelInfo, model_info
+from localllm.models.gguf_meta import ModelInfo
 from localllm.models.store import Manifest, Store
-from localllm.server.embeddings import EMBED_CTX
+from localllm.runtime.api import EMBED_CTX
+from localllm.server.state import ServerState
+from localllm.server.wire import rfc3339
 
 # llama.cpp's encoder-only (embedding) architectures; decoder embedding models say pooling_type instead
 ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "neo-bert",
@@ -43,18 +44,11 @@ FIM_STAND_INS = {"prefix": "<FIM_PRE>", "suffix": "<FIM_SUF>", "middle": "<FIM_M
 PARAM_WIDTH = 30  # Ollama pads parameter names to 30 columns
 
 
-def info_for(state: Any, man: Manifest) -> ModelInfo:
-    cache: dict[str, ModelInfo] = state.info_cache
-    if man.digest not in cache:
-        cache[man.digest] = model_info(state.store.blob_path(man.digest))
-    return cache[man.digest]
+def info_for(state: ServerState, man: Manifest) -> ModelInfo:
+    return state.composer.info(man.name)[1]  # read once per file (the composer's cache)
 
 
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat()
-
-
-def tag_entry(state: Any, man: Manifest) -> dict[str, Any]:
+def tag_entry(state: ServerState, man: Manifest) -> dict[str, Any]:
     info = info_for(state, man)
     return {"name": man.name, "model": man.name, "modified_at": rfc3339(man.created), "size": man.size,
             "digest": man.digest.split(":")[-1], "details": details(info)}
@@ -98,7 +92,7 @@ def parameters(pairs: list[tuple[str, Any]]) -> str:
     return "\n".join(f"{k:<{PARAM_WIDTH}} {json.dumps(v, ensure_ascii=False)}" for k, v in pairs)
 
 
-def _format(state: Any, man: Manifest, info: ModelInfo, entry: dict[str, Any] | None) -> ChatFormat:
+def _format(state: ServerState, man: Manifest, info: ModelInfo, entry: dict[str, Any] | None) -> ChatFormat:
     """The loaded model's ChatFormat (token text read from its vocabulary), else one from the file's facts
     and the catalog, with the server's --chat-template, without loading anything."""
     engine = getattr(state.pool, "engine_for", lambda _: None)(man.name) if state.pool is not None else None
@@ -113,7 +107,7 @@ def _format(state: Any, man: Manifest, info: ModelInfo, entry: dict[str, Any] | 
     return fmt
 
 
-def served_ctx(state: Any, man: Manifest) -> int | None:
+def served_ctx(state: ServerState, man: Manifest) -> int | None:
     """The context a request for this model gets: the loaded engine's, else the server's plan for it."""
     engine = getattr(state.pool, "engine_for", lambda _: None)(man.name) if state.pool is not None else None
     n = getattr(engine, "n_ctx", None) if engine is not None else None
@@ -123,7 +117,7 @@ def served_ctx(state: Any, man: Manifest) -> int | None:
     return int(n) if n else None
 
 
-def show_facts(state: Any, man: Manifest) -> dict[str, Any]:
+def show_facts(state: ServerState, man: Manifest) -> dict[str, Any]:
     """/api/show's capabilities, parameters, template and model_info (blocking: reads files, plans)."""
     info = info_for(state, man)
     entry = state.catalog.entry(man.name)
@@ -163,7 +157,7 @@ def installed(store: Store) -> list[Manifest]:
 
 
 # ---- remote models (models.remotes): listed beside the installed ones, shown without a file ----------------
-def remotes(state: Any, installed: list[Any]) -> list[Any]:
+def remotes(state: ServerState, installed: list[Any]) -> list[Any]:
     """The remote models that no installed model (of `installed`, the store's list) shadows."""
     listing = getattr(state, "remotes", None)
     if listing is None:

@@ -19,6 +19,7 @@ from localllm import __version__
 from localllm.errors import CorruptStore, LocalLLMError, ModelNotFound
 from localllm.server.models import remote_show, remote_tag_entry, remotes, show_facts, tag_entry
 from localllm.server.security import cap_echo
+from localllm.server.state import server_state
 from localllm.server.wire import Body
 
 router = APIRouter()
@@ -58,7 +59,7 @@ async def version() -> dict[str, str]:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
-    state = request.app.state
+    state = server_state(request)
     out, installed = [], state.store.list()
     for man in installed:
         try:
@@ -71,7 +72,7 @@ async def tags(request: Request) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(body: ModelRef, request: Request) -> dict[str, Any]:
     """`{"model": ...}` (or the older `{"name": ...}`); what each field holds: server/models.py."""
-    state = request.app.state
+    state = server_state(request)
     remote = state.composer.remote(body.ref())
     if remote is not None:
         return remote_show(remote)
@@ -81,7 +82,7 @@ async def show(body: ModelRef, request: Request) -> dict[str, Any]:
 
 @router.delete("/api/delete")
 async def delete(body: ModelRef, request: Request) -> Response:
-    state = request.app.state
+    state = server_state(request)
     name = body.ref()
     if state.store.get(name) is None:
         raise ModelNotFound(f"model '{name}' not found")
@@ -94,7 +95,7 @@ async def delete(body: ModelRef, request: Request) -> Response:
 @router.post("/api/copy")
 async def copy(body: CopyBody, request: Request) -> Response:
     """Ollama's copy: an existing destination is replaced (its old file is kept while another name uses it)."""
-    state = request.app.state
+    state = server_state(request)
     store = state.store
     source = store.require(body.source)  # 404 (400 for a bad name) before anything changes
     try:
@@ -151,7 +152,7 @@ def _is_local_path(ref: str) -> bool:
 
 @router.post("/api/pull")
 async def pull(body: PullBody, request: Request) -> Response:
-    state = request.app.state
+    state = server_state(request)
     ref = body.ref()
     local_ok = bool(getattr(state.settings, "allow_local_pull", False))
     if not local_ok and _is_local_path(ref):

@@ -11,20 +11,20 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose.plan import Plan
 from localllm.compose.pool import parse_keep_alive
 from localllm.compose.requests import Options
 from localllm.errors import InvalidInput
-from localllm.runtime.types import Request as GenRequest
 from localllm.runtime.types import Result
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, finish_reason, held
-from localllm.server.wire import Body, notice_dict
+from localllm.server.state import ServerState, server_state
+from localllm.server.wire import Body, error_text, notice_dict, rfc3339
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -70,10 +70,6 @@ class EmbedRequest(Body):
     options: dict[str, Any] | None = None
 
 
-def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if options is not None and not isinstance(options, dict):
         raise InvalidInput("options must be an object")
@@ -85,7 +81,9 @@ def _wire_options(opts: dict[str, Any], fmt: Any) -> Options:
     """Ollama's `options` (and `format`) for the request builder."""
     return Options(sampling=opts, max_tokens=opts.get("num_predict"), max_tokens_name="options.num_predict",
                    stop=opts.get("stop"), format=fmt, context_policy=opts.get("context_policy"),
-                   n_keep=opts.get("num_keep"), n_keep_name="options.num_keep", draft=opts)
+                   n_keep=opts.get("num_keep"), n_keep_name="options.num_keep", draft=opts,
+                   # localllm's extension: reasoning tokens before the reasoning is closed for the model
+                   reasoning_budget=opts.get("reasoning_budget"))
 
 
 def _stats(res: Result, t0: float, load_ms: float) -> dict[str, Any]:
@@ -110,19 +108,19 @@ def _extras(res: Result) -> dict[str, Any]:
     return out
 
 
-async def _load_or_unload(state: Any, body: _GenCommon, chat: bool) -> Response:
+async def _load_or_unload(state: ServerState, body: _GenCommon, chat: bool) -> Response:
     """Ollama's empty request: load the model and keep it (or unload it with keep_alive 0)."""
     state.store.require(body.model)  # unknown models answer 404 either way
     extra: dict[str, Any] = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     if body.keep_alive is not None and parse_keep_alive(body.keep_alive) == 0:
         if state.pool is not None:
             state.pool.unload_when_idle(state.store.require(body.model).name)  # streams finish first
-        return JSONResponse({"model": body.model, "created_at": now_rfc3339(), **extra, "done": True,
+        return JSONResponse({"model": body.model, "created_at": rfc3339(), **extra, "done": True,
                              "done_reason": "unload"})
     pool_opts, _ = _split_options(body.options)
     async with held(state, body.model, options=pool_opts, keep_alive=body.keep_alive):
         pass  # loaded, and kept for keep_alive
-    return JSONResponse({"model": body.model, "created_at": now_rfc3339(), **extra, "done": True,
+    return JSONResponse({"model": body.model, "created_at": rfc3339(), **extra, "done": True,
                          "done_reason": "load"})
 
 
@@ -132,16 +130,16 @@ def _calls(calls: list[Any]) -> list[dict[str, Any]]:
 
 
 async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Response:
-    state = request.app.state
+    state = server_state(request)
     t0 = time.perf_counter()
     pool_opts, opts = _split_options(body.options)
     options = _wire_options(opts, body.format)
-    options.think = getattr(body, "think", None)
+    options.think = body.think
     g = await Generation.start(state, body.model, lambda lease: build(state, lease, options),
                                options=pool_opts, keep_alive=body.keep_alive)
 
     def line(text: str, thinking: str = "", calls: list[Any] | None = None) -> dict[str, Any]:
-        head = {"model": body.model, "created_at": now_rfc3339()}
+        head = {"model": body.model, "created_at": rfc3339()}
         if not chat:
             return {**head, "response": text, **({"thinking": thinking} if thinking else {})}
         message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {}),
@@ -160,8 +158,7 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
             async with g:
                 async for chunk, deltas in g.replies():
                     if chunk.error is not None:
-                        msg = chunk.error.args[0] if chunk.error.args else "generation failed"
-                        yield (json.dumps({"error": msg}) + "\n").encode()
+                        yield (json.dumps({"error": error_text(chunk.error)[1]}) + "\n").encode()
                         return
                     acc.absorb(chunk)
                     text = "".join(d.text for d in deltas if d.kind == "content")
@@ -180,7 +177,7 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
                         yield (json.dumps({**line(text, thinking), "done": False}, ensure_ascii=False) + "\n").encode()
         except Exception as exc:  # this client's stream only; the server log has the details
             logging.getLogger("localllm.server").exception("stream failed")
-            yield (json.dumps({"error": f"generation failed ({type(exc).__name__})"}) + "\n").encode()
+            yield (json.dumps({"error": error_text(exc)[1]}) + "\n").encode()
 
     return StreamingResponse(lines(), media_type=NDJSON)
 
@@ -188,9 +185,9 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     if not body.prompt and not body.suffix:
-        return await _load_or_unload(request.app.state, body, chat=False)
+        return await _load_or_unload(server_state(request), body, chat=False)
 
-    def build(state: Any, lease: Lease, options: Options) -> GenRequest:
+    def build(state: ServerState, lease: Lease, options: Options) -> Plan:
         builder = state.composer.builder(lease.name, lease.engine)
         if body.suffix is not None:
             # a FIM prompt that does not fit is refused: a shift would cut its FIM tokens apart (Continue
@@ -204,9 +201,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 @router.post("/api/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
     if not body.messages:
-        return await _load_or_unload(request.app.state, body, chat=True)
+        return await _load_or_unload(server_state(request), body, chat=True)
 
-    def build(state: Any, lease: Lease, options: Options) -> GenRequest:
+    def build(state: ServerState, lease: Lease, options: Options) -> Plan:
         messages = [_message(m) for m in body.messages or []]
         return state.composer.builder(lease.name, lease.engine).chat(messages, options, tools=body.tools)
 
@@ -229,20 +226,20 @@ def _message(m: OllamaMessage) -> dict[str, Any]:
 @router.post("/api/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     texts = body.input if isinstance(body.input, list) else [body.input]
-    vectors, n = await embed_texts(request.app.state, body.model, texts)
-    return JSONResponse({"model": body.model, "embeddings": vectors, "prompt_eval_count": n})
+    out = await embed_texts(server_state(request), body.model, texts)
+    return JSONResponse({"model": body.model, "embeddings": out.vectors, "prompt_eval_count": out.n_tokens})
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
-    state = request.app.state
+    state = server_state(request)
     out = []
     for m in (state.pool.loaded() if state.pool is not None else []):
         man = state.store.get(m["name"])
         expires = m["expires_at"] if m["expires_at"] is not None else time.time() + 100 * 365 * 86400
         out.append({"name": m["name"], "model": m["name"], "size": m["size"], "size_vram": m["size_vram"],
                     "digest": man.digest.split(":")[-1] if man else "", "details": m["details"],
-                    "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z"),
+                    "expires_at": rfc3339(expires),
                     "context_length": m["context_length"],
                     **({"runner": m["runner"]} if m.get("runner") else {}),  # localllm's: pid, running/crashed
                     **({"remote": m["remote"]} if m.get("remote") else {})})  # upstream, requests, latency

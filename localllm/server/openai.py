@@ -24,20 +24,29 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose.pipeline import amerge
+from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, finish_word
-from localllm.compose.requests import PARAM_KEYS, Options, choices, n_choices
+from localllm.compose.requests import PARAM_KEYS, Options, n_choices
 from localllm.errors import InvalidInput
-from localllm.runtime.types import Chunk, Result, Usage
-from localllm.runtime.types import Request as GenRequest
+from localllm.runtime.types import Result, Usage
 from localllm.server.embeddings import embed_texts
 from localllm.server.lifecycle import Generation, Lease, default_model, finish_reason
-from localllm.server.wire import Body, LegacyLogprobs, notice_dict, probs_json, timings_dict
+from localllm.server.state import ServerState, server_state
+from localllm.server.wire import (
+    Body,
+    LegacyLogprobs,
+    error_text,
+    notice_dict,
+    probs_json,
+    rfc3339,
+    timings_dict,
+)
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -152,17 +161,17 @@ def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
                        "send one request per prompt")
 
 
-def _chat_request(state: Any, body: ChatCompletionRequest, lease: Lease) -> GenRequest:
+def _chat_request(state: ServerState, body: ChatCompletionRequest, lease: Lease) -> Plan:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    req = state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit), tools=body.tools)
-    if (body.model_extra or {}).get("reasoning_format") == "none" and req.reply is not None:
+    plan = state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit), tools=body.tools)
+    if (body.model_extra or {}).get("reasoning_format") == "none" and plan.reply is not None:
         # llama-server's reasoning_format "none": the reasoning stays in the content, markers and all
-        req.reply = dataclasses.replace(req.reply, think=None, in_reasoning=False)
-    return req
+        plan.reply = dataclasses.replace(plan.reply, think=None, in_reasoning=False)
+    return plan
 
 
-def _completion_request(state: Any, body: CompletionRequest, lease: Lease) -> GenRequest:
+def _completion_request(state: ServerState, body: CompletionRequest, lease: Lease) -> Plan:
     prompt = _prompt_text(body.prompt)
     build, options = state.composer.builder(lease.name, lease.engine), _wire_options(body, body.max_tokens)
     if body.suffix is not None:
@@ -198,40 +207,6 @@ def _empty_choice(chat: bool, index: int = 0) -> dict[str, Any]:
 
 def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def _indexed(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk, list[Delta]]]:
-    """The chunks of every choice as they come, each with its choice's index and the reply read from it
-    (one reader per stream)."""
-    if len(gens) == 1:
-        async for chunk, deltas in gens[0].replies():
-            yield 0, chunk, deltas
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(i: int, g: Generation) -> None:
-        try:
-            async for item in g.replies():
-                queue.put_nowait((i, item))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item[0], item[1]
-    finally:  # a reader that stops early stops every choice
-        for t in tasks:
-            t.cancel()
 
 
 def _summed(usages: list[Any]) -> Usage:
@@ -285,7 +260,7 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                                                  "logprobs": None, "finish_reason": None}]})
             elif echo:
                 yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
-        async for i, chunk, deltas in _indexed(gens):
+        async for i, (chunk, deltas) in amerge([g.replies() for g in gens]):
             if chunk.timings is not None:
                 timings[i] = timings_dict(chunk.timings)
             # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
@@ -294,8 +269,8 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                 notices[i].append(notice_dict(chunk.notice))
                 yield _sse({**base, "choices": [_empty_choice(chat, i)], "notice": notices[i][-1]})
             if chunk.error is not None:
-                yield _sse({"error": {"message": chunk.error.args[0] if chunk.error.args else "generation failed",
-                                      "type": "server_error", "param": None, "code": 500}})
+                code, message = error_text(chunk.error)
+                yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
                 break
             pending[i] += chunk.probs or []
             done = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
@@ -320,15 +295,15 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                         **({"timings": timings[0]} if timings[0] else {})})
     except Exception as exc:  # this client's stream only; the server log has the details
         logging.getLogger("localllm.server").exception("stream failed")
-        yield _sse({"error": {"message": f"generation failed ({type(exc).__name__})", "type": "server_error",
-                              "param": None, "code": 500}})
+        code, message = error_text(exc)
+        yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
     finally:
         for g in gens:
             g.close()
     yield b"data: [DONE]\n\n"
 
 
-async def _start(state: Any, body: _Common, chat: bool) -> list[Generation]:
+async def _start(state: ServerState, body: _Common, chat: bool) -> list[Generation]:
     """Lease, build and submit: one Generation per choice (`n`), all batched by the engine."""
     n = n_choices(body.n)
     build = _chat_request if chat else _completion_request
@@ -337,8 +312,8 @@ async def _start(state: Any, body: _Common, chat: bool) -> list[Generation]:
                                    options=_options(body), keep_alive=body.keep_alive)
     gens = [first]
     try:
-        for req in choices(first.request, n)[1:]:
-            gens.append(await Generation.start(state, name, lambda lease, req=req: req, options=_options(body),
+        for plan in first.plan.choices(n)[1:]:
+            gens.append(await Generation.start(state, name, lambda lease, plan=plan: plan, options=_options(body),
                                                keep_alive=body.keep_alive))
     except BaseException:
         for g in gens:
@@ -361,7 +336,7 @@ async def _collect(gens: list[Generation]) -> list[Result]:
 
 
 async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
-    state = request.app.state
+    state = server_state(request)
     if chat and not body.messages:  # type: ignore[attr-defined]
         raise InvalidInput("messages must not be empty")
     gens = await _start(state, body, chat)
@@ -413,11 +388,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def models(request: Request) -> dict[str, Any]:
     from localllm.server.models import remotes
 
-    installed = request.app.state.store.list()
-    installed += remotes(request.app.state, installed)  # both have name and created
+    installed = server_state(request).store.list()
+    installed += remotes(server_state(request), installed)  # both have name and created
     if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() on the same path
         data = [{"type": "model", "id": m.name, "display_name": m.name,
-                 "created_at": datetime.fromtimestamp(m.created, timezone.utc).isoformat().replace("+00:00", "Z")}
+                 "created_at": rfc3339(m.created)}
                 for m in installed]
         return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
@@ -428,18 +403,19 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{name:path}")
 @router.get("/models/{name:path}")
 async def model(name: str, request: Request) -> dict[str, Any]:
-    remote = request.app.state.composer.remote(name)
-    man = remote or request.app.state.store.require(name)
+    remote = server_state(request).composer.remote(name)
+    man = remote or server_state(request).store.require(name)
     return {"id": man.name, "object": "model", "created": int(man.created), "owned_by": "localllm"}
 
 
 @router.post("/v1/embeddings")
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    state = request.app.state
+    state = server_state(request)
     texts = body.input if isinstance(body.input, list) else [body.input]
     name = default_model(state, body.model, unknown=True)
-    vectors, n_tokens = await embed_texts(state, name, texts)
-    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    out = await embed_texts(state, name, texts)
+    n_tokens = out.n_tokens
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(out.vectors)]
     return JSONResponse({"object": "list", "data": data, "model": name,
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

@@ -30,9 +30,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta
 from localllm.runtime.types import Chunk, Result, Usage
-from localllm.runtime.types import Request as GenRequest
 from localllm.server.lifecycle import Generation, Lease, default_model
 from localllm.server.responses_wire import (
     ResponsesRequest,
@@ -42,6 +42,8 @@ from localllm.server.responses_wire import (
     options,
     refuse_state,
 )
+from localllm.server.state import ServerState, server_state
+from localllm.server.wire import error_text
 
 router = APIRouter()
 SSE = "text/event-stream"
@@ -58,11 +60,6 @@ def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u.completion_tokens)},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
-def error_message(exc: BaseException) -> str:
-    first = exc.args[0] if exc.args and isinstance(exc.args[0], str) else ""
-    return getattr(exc, "message", None) or first or f"generation failed ({type(exc).__name__})"
 
 
 class Output:
@@ -184,7 +181,7 @@ class Output:
 
 
 # ---- handler (transport-free) -------------------------------------------------------------------------
-def _build(state: Any, body: ResponsesRequest, lease: Lease) -> GenRequest:
+def _build(state: ServerState, body: ResponsesRequest, lease: Lease) -> Plan:
     tools = chat_tools(body.tools)
     choice, tools = chat_tool_choice(body.tool_choice, tools)
     return state.composer.builder(lease.name, lease.engine).chat(chat_messages(body), options(body, choice),
@@ -234,7 +231,7 @@ async def events(gen: Generation, out: Output) -> AsyncIterator[bytes]:
             yield _sse(out.event("response." + status, response=final))
     except Exception as exc:  # this client's stream only; the server log has the details
         log.exception("response stream failed")
-        message = error_message(exc)
+        message = error_text(exc)[1]
         yield _sse(out.event("error", code="server_error", message=message, param=None))
         failed = out.response("failed", usage=usage_dict(res.usage, out.reasoning_tokens),
                               error={"code": "server_error", "message": message})
@@ -244,7 +241,7 @@ async def events(gen: Generation, out: Output) -> AsyncIterator[bytes]:
 
 
 async def create(request: Request, body: ResponsesRequest) -> Response:
-    state = request.app.state
+    state = server_state(request)
     refuse_state(body)
     name = default_model(state, body.model, unknown=True)
     gen = await Generation.start(state, name, lambda lease: _build(state, body, lease),

@@ -1,12 +1,32 @@
-"""What the dialects share on the wire: the request-body base, timings, token probabilities, notices."""
+"""What the dialects share on the wire: the request-body base, timings, token probabilities, notices, the
+text of an error that ends a reply, and timestamps."""
 
 from __future__ import annotations
 
 import codecs
 import math
+from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from localllm.errors import LocalLLMError
+
+
+def rfc3339(ts: float | None = None) -> str:
+    """A time (seconds since the epoch; None: now) as RFC 3339 in UTC with a Z, as Ollama's created_at and
+    expires_at are written; every timestamp of every dialect goes through here."""
+    when = datetime.now(timezone.utc) if ts is None else datetime.fromtimestamp(ts, timezone.utc)
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def error_text(exc: BaseException) -> tuple[int, str]:
+    """(status, message) of an error that ends a reply, for every dialect's mid-stream error event. Our own
+    errors say what went wrong and what to do; anything else may carry paths or internals: its type only
+    (the server log has the rest)."""
+    if isinstance(exc, LocalLLMError):
+        return exc.status, exc.message + (f" ({exc.hint})" if exc.hint else "")
+    return 500, f"generation failed ({type(exc).__name__}); see the server log"
 
 
 def notice_dict(n: Any) -> dict[str, Any]:

@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from localllm.compose.formats import ChatFormat
-from localllm.compose.reply import ReplyFormat, ReplyParser
-from localllm.compose.requests import Options, RequestBuilder
-from localllm.runtime.types import CONTEXT_POLICIES, Chunk, GenerationParams, Request
+from localllm.compose.pipeline import Reply
+from localllm.compose.plan import Plan
+from localllm.compose.requests import CONTEXT_POLICIES, Options, RequestBuilder
+from localllm.runtime.api import ModelEngine
+from localllm.runtime.types import Chunk, GenerationParams
 
 
 @dataclass
@@ -28,6 +30,7 @@ class ChatSettings:
     num_ctx: int | None = None  # None: the model's planned context
     context_policy: str = "shift"
     think: bool | None = None  # reasoning models: True/False turn reasoning on/off, None the model's default
+    reasoning_budget: int | None = None  # reasoning tokens before the reasoning is closed (None: no limit)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,6 +46,8 @@ class ChatSettings:
             out.append(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             out.append("max tokens must be >= 1 (or empty for no limit)")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            out.append("reasoning budget must be >= 0 tokens (or empty for no limit)")
         if self.num_ctx is not None and self.num_ctx < 64:
             out.append("context size must be >= 64 (or empty for the model's default)")
         return out
@@ -85,21 +90,17 @@ class ChatStream(Protocol):
 
 
 class ParsedStream:
-    """A runtime stream whose raw text (`<think>…</think>` and all) is read by compose.reply's parser:
-    each chunk comes out as a ReplyChunk with the reasoning and the answer apart."""
+    """A reply through the one pipeline (compose/pipeline.py: the reasoning budget, the reply parser): each
+    chunk comes out as a ReplyChunk with the reasoning and the answer apart."""
 
-    def __init__(self, stream: Any, fmt: ReplyFormat | None) -> None:
-        self.stream = stream
-        self.parser = ReplyParser(fmt)
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
 
     def cancel(self) -> None:
-        self.stream.cancel()
+        self.reply.cancel()
 
     def __iter__(self) -> Iterator[ReplyChunk]:
-        for chunk in self.stream:
-            deltas = self.parser.feed(chunk.text)
-            if chunk.finish_reason is not None:
-                deltas += self.parser.finish()
+        for chunk, deltas in self.reply:
             # tool calls are not offered by the chat UI: anything else the parser reads is answer text
             reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
             content = "".join(d.text for d in deltas if d.kind == "content")
@@ -140,7 +141,8 @@ def catalog_rows(catalog: Any, installed: set[str]) -> list[CatalogRow]:
 def chat_options(settings: ChatSettings) -> Options:
     """A conversation's settings as request options (the same values the HTTP backend sends)."""
     return Options(sampling={"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p},
-                   max_tokens=settings.max_tokens, context_policy=settings.context_policy, think=settings.think)
+                   max_tokens=settings.max_tokens, context_policy=settings.context_policy, think=settings.think,
+                   reasoning_budget=settings.reasoning_budget)
 
 
 @dataclass
@@ -196,15 +198,16 @@ class EngineBackend:
             raise RuntimeError("pulling is not available here")
         self.puller(name, progress)
 
-    def request(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> tuple[Any, Request]:
-        """(engine, Request) for a conversation: the one request builder, as every other door uses it."""
+    def request(self, model: str, messages: Sequence[dict[str, Any]],
+                settings: ChatSettings) -> tuple[ModelEngine, Plan]:
+        """(engine, Plan) for a conversation: the one request builder, as every other door uses it."""
         engine = self.engine_for(model, settings)
         self._ctx[model] = engine.n_ctx
-        req = self.builder_for(model, engine).chat(build_messages(messages, settings), chat_options(settings),
-                                                   policy=settings.context_policy)
-        return engine, req
+        plan = self.builder_for(model, engine).chat(build_messages(messages, settings), chat_options(settings),
+                                                    policy=settings.context_policy)
+        return engine, plan
 
     def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> ChatStream:
-        engine, req = self.request(model, messages, settings)
-        return ParsedStream(engine.submit(req), req.reply)
+        engine, plan = self.request(model, messages, settings)
+        return ParsedStream(Reply(engine, plan))
 

@@ -12,6 +12,7 @@ HELP = """\
 | `/set temperature 0.2` | also `top_p`, `top_k`, `max_tokens` (`num_predict`), `num_ctx`, `policy` |
 | `/set system TEXT` | the system prompt (`/set system` alone clears it) |
 | `/think on` | reasoning models: reason first (`off`: answer at once, `default`: as the model does) |
+| `/set reasoning_budget 256` | reasoning models: close the reasoning after this many tokens (`none`: no limit) |
 | `/show` | the current settings |
 | `/clear` | start a new conversation (the old one stays in the sidebar) |
 | `/load MODEL` | switch model, keeping the conversation |
@@ -23,7 +24,8 @@ HELP = """\
 # user-facing setting names -> ChatSettings fields
 ALIASES = {"temperature": "temperature", "temp": "temperature", "top_p": "top_p", "top_k": "top_k",
            "max_tokens": "max_tokens", "num_predict": "max_tokens", "num_ctx": "num_ctx", "context": "num_ctx",
-           "policy": "context_policy", "context_policy": "context_policy", "system": "system"}
+           "policy": "context_policy", "context_policy": "context_policy", "system": "system",
+           "reasoning_budget": "reasoning_budget", "budget": "reasoning_budget"}
 
 
 @dataclass
@@ -59,11 +61,11 @@ def apply_set(settings: ChatSettings, arg: str) -> str:
         return "system prompt set" if value else "system prompt cleared"
     if field == "context_policy":
         new = value
-    elif field in ("max_tokens", "num_ctx") and value.lower() in ("", "none", "default", "-1"):
+    elif field in ("max_tokens", "num_ctx", "reasoning_budget") and value.lower() in ("", "none", "default", "-1"):
         new = None
     else:
         try:
-            new = int(value) if field in ("top_k", "max_tokens", "num_ctx") else float(value)
+            new = int(value) if field in ("top_k", "max_tokens", "num_ctx", "reasoning_budget") else float(value)
         except ValueError:
             raise CommandError(f"{key} needs a number, got {value!r}") from None
     old = getattr(settings, field)
@@ -96,5 +98,5 @@ def show(settings: ChatSettings, model: str | None) -> str:
     s = settings
     return (f"model {model or '-'} · temperature {s.temperature} · top_p {s.top_p} · top_k {s.top_k} · "
             f"max_tokens {s.max_tokens} · num_ctx {s.num_ctx or 'default'} · policy {s.context_policy} · "
-            f"think {think_word(s.think)}"
+            f"think {think_word(s.think)} · reasoning_budget {s.reasoning_budget if s.reasoning_budget is not None else 'none'}"
             + (f"\nsystem: {s.system}" if s.system else ""))

@@ -241,6 +241,8 @@ class HttpBackend:
         num_ctx = settings.num_ctx or self.num_ctx
         if num_ctx:
             opts["num_ctx"] = num_ctx
+        if settings.reasoning_budget is not None:  # localllm's extension, as the in-process chat applies it
+            opts["reasoning_budget"] = settings.reasoning_budget
         return opts
 
     def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> HttpStream:

@@ -11,7 +11,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, TextArea
 
-from localllm.runtime.types import CONTEXT_POLICIES
+from localllm.compose.requests import CONTEXT_POLICIES
 from localllm.tui.backend import ChatBackend, ChatSettings
 from localllm.tui.commands import HELP, THINK_WORDS, think_word
 
