@@ -142,6 +142,7 @@ class FakeStream:
         self.chunks, self.delay, self.rate, self.gate = chunks, delay, rate, gate
         self.hold_after = hold_after  # stop emitting after this many chunks until cancelled (screenshots)
         self.cancelled = threading.Event()
+        self.prompt_tokens = 0  # not known until the end, as over HTTP
         self.started_at: float | None = None
         self.emitted_last_at: float | None = None  # perf_counter when the final chunk was handed out
 

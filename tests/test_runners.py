@@ -279,3 +279,34 @@ def test_a_runner_exits_when_its_host_dies(tiny_path: Path, tmp_path: Path) -> N
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_embeddings_come_from_the_runner_and_its_crash_spares_the_server(two: Server) -> None:
+    """Embeddings are computed by the model's runner (runtime/embed.py on its loaded weights), not in the
+    server: a runner killed mid-embedding costs that request a clear 503, the server and the other model
+    answer on, and the next embedding gets a fresh runner with the same vectors."""
+    url = two.url + "/v1/embeddings"
+    first = httpx.post(url, json={"model": TINY, "input": "hello world"}, timeout=60)
+    assert first.status_code == 200, first.text
+    runner = _runner(two, TINY)
+    assert psutil.Process().pid != runner.pid  # the vectors were made in another process
+    texts = ["hello world " * 60] * 400
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(url, json={"model": TINY, "input": texts}, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not runner._replies and time.monotonic() < deadline:  # the embed call is in the runner now
+        time.sleep(0.001)
+    assert runner._replies, "the embedding never reached the runner"
+    os.kill(runner.pid, signal.SIGKILL)
+    t.join(60)
+    [dead] = out
+    assert dead.status_code == 503, dead.text
+    message = dead.json()["error"]["message"]
+    assert "stopped (signal SIGKILL)" in message and "fresh runner" in message
+    assert httpx.get(two.url + "/health", timeout=10).status_code == 200
+    other = httpx.post(url, json={"model": OTHER, "input": "hello world"}, timeout=60)
+    assert other.status_code == 200 and other.json()["data"][0]["embedding"] == first.json()["data"][0]["embedding"]
+    again = httpx.post(url, json={"model": TINY, "input": "hello world"}, timeout=60)
+    assert again.status_code == 200 and _runner(two, TINY).pid != runner.pid
+    assert again.json()["data"][0]["embedding"] == first.json()["data"][0]["embedding"]

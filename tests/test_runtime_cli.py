@@ -57,3 +57,22 @@ def test_run_with_drafting_prints_acceptance_and_the_same_text(tiny: Path, tmp_p
     other = make_tiny_gguf(tmp_path / "other.gguf", n_vocab=300)
     bad = localllm(*args, "--draft", str(other))
     assert bad.returncode == 1 and "cannot draft for" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_run_honours_the_reasoning_budget(tmp_path: Path) -> None:
+    """A reasoning model through `run` in process: the reasoning dimmed on stderr, the answer on stdout; with
+    --reasoning-budget 2 the pipeline closes the reasoning after two tokens (compose/pipeline.py, as the
+    server does) and the answer follows; --no-think asks the template for no reasoning at all."""
+    from scriptmodel import THINKER, THINKER_REPLY, make_script_gguf
+
+    path = str(make_script_gguf(tmp_path / "thinker.gguf", THINKER))
+    common = ("--no-server", "--temperature", "0", "--max-tokens", "32", "--ctx", "256")
+    full = localllm("run", path, "what is the answer?", *common)
+    assert full.returncode == 0, full.stderr
+    assert full.stdout.strip() == THINKER_REPLY[1] and THINKER_REPLY[0] in full.stderr
+    cut = localllm("run", path, "what is the answer?", *common, "--reasoning-budget", "2")
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout.strip() == THINKER_REPLY[1]
+    assert "Let me" in cut.stderr and "think it over" not in cut.stderr
+    none = localllm("run", path, "what is the answer?", *common, "--no-think")
+    assert none.stdout.strip() == THINKER_REPLY[1] and "Let me" not in none.stderr

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from click.testing import CliRunner
-from helpers import TINY, Server, free_port
+from helpers import TINY, Server, free_port, install
 
 from localllm.cli import cli
 from localllm.cli.serve import _settings, processor
@@ -59,3 +68,48 @@ def test_curl_style_bodies_are_json(srv: Server) -> None:
         headers = {"content-type": ctype} if ctype else {}
         r = httpx.post(srv.url + "/api/generate", content=body, headers=headers)
         assert r.status_code == 200 and r.json()["eval_count"] == 2, (ctype, r.text)
+
+
+def test_serve_under_load_stops_promptly_on_sigterm(tiny_path: Path, localllm_home: Path) -> None:
+    """SIGTERM while requests stream: they get serve.GRACE_S to finish, then are cancelled, and the runner
+    stops with the server (it waited for every stream to end on its own: over a minute under load)."""
+    from localllm.cli.serve import GRACE_S
+    from localllm.models.store import Store
+
+    install(Store(), tiny_path, TINY)
+    port = free_port()
+    env = {**os.environ, "LOCALLLM_HOST": f"127.0.0.1:{port}"}
+    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = {"model": TINY, "prompt": "hello", "max_tokens": 4 * 8192, "ignore_eos": True, "stream": True,
+                "n_ctx": 8192, "context_policy": "shift"}  # minutes of generation for each, more than the slots can take at once
+
+        def stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body,
+                                                                    timeout=120) as r:
+                for _ in r.iter_lines():
+                    pass
+
+        clients = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+        for c in clients:
+            c.start()
+        time.sleep(2)
+        runners = [p for p in psutil.Process(proc.pid).children(recursive=True) if "runner_main" in " ".join(p.cmdline())]
+        assert runners, "no runner was started"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=GRACE_S + 20)
+        assert time.monotonic() - t0 < GRACE_S + 15
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in runners)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -282,3 +282,30 @@ def test_chat_command_is_registered_lazily() -> None:
     assert "chat" in out
     res = CliRunner().invoke(cli, ["chat", "--help"])
     assert res.exit_code == 0 and "F1" in res.output
+
+
+async def test_status_bar_counts_the_context_while_a_reply_streams(tmp_path: Path, tiny_path: Path) -> None:
+    """The first reply of a chat, in process: while it streams, the status bar shows the model's context
+    size and the prompt plus the tokens so far (it said `ctx 0` until the reply ended)."""
+    from localllm.runtime.engine import Engine
+    from localllm.tui.backend import EngineBackend
+
+    with Engine(tiny_path, n_ctx=4096, slots=1, threads=1) as engine:
+        backend = EngineBackend.single(engine, "tiny")
+        backend._ctx.clear()  # as for a model the UI has not run yet: its context size is not known
+        app = create_app(backend, model="tiny", db_path=tmp_path / "chats.sqlite")
+        app.settings = ChatSettings(temperature=0.0, max_tokens=3000)
+        async with app.run_test(size=(100, 24)) as pilot:
+            await send(pilot, "hello world")
+            seen: list[tuple[int, str]] = []
+
+            def mid_stream() -> bool:
+                seen.append((app.status.used, str(app.status.render())))
+                return app.generating and app.status.used > 0 and "/4096" in seen[-1][1]
+
+            await wait_for(pilot, mid_stream, timeout=20)
+            used = app.status.used
+            await wait_for(pilot, lambda: app.status.used > used or not app.generating, timeout=20)
+            if app.generating:
+                app.action_stop()
+                await wait_for(pilot, lambda: not app.generating, timeout=20)

@@ -243,3 +243,25 @@ async def test_real_engine_thinker_model(tmp_path: Path) -> None:
         assert [m["content"] for m in msgs if m["role"] == "assistant"] == ["The answer is 42."] * 2
         assert msgs[1]["meta"]["reasoning"] == "Let me think it over." and "reasoning" not in msgs[3]["meta"]
         hist.close()
+
+
+async def test_chat_ui_honours_the_reasoning_budget(tmp_path: Path) -> None:
+    """`/set reasoning_budget 2` in the chat UI (in process): two reasoning tokens, then the pipeline closes the
+    reasoning for the model (compose/pipeline.py, as the server does) and the answer follows."""
+    from localllm.compose.formats import file_format
+    from localllm.runtime.engine import Engine
+    from localllm.tui.backend import EngineBackend
+
+    path = make_script_gguf(tmp_path / "thinker.gguf", THINKER)
+    with Engine(path, n_ctx=256, slots=1, n_batch=64, threads=1) as engine:
+        backend = EngineBackend.single(engine, "thinker", file_format(path, None, engine.model))
+        app = create_app(backend, model="thinker", db_path=tmp_path / "chats.sqlite")
+        app.settings = ChatSettings(temperature=0.0, max_tokens=32)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await send(pilot, "/set reasoning_budget 2")
+            assert app.settings.reasoning_budget == 2
+            await send(pilot, "what is the answer?")
+            await wait_for(pilot, lambda: not app.generating, timeout=30)
+            [turn] = app.query(AssistantTurn)
+            assert (turn.reasoning, turn.source) == ("Let me", THINKER_REPLY[1])
+            assert app.last_finish == "stop"

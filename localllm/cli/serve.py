@@ -197,17 +197,22 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
         failed.append(message)
         signal.raise_signal(signal.SIGINT)  # uvicorn.run owns the server: its own graceful shutdown
 
-    if getattr(app, "state", None) is not None:
-        app.state.server.on_fatal = fatal
+    app.state.server.on_fatal = fatal
     click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
                + (f" (loading {', '.join(model_names(settings.model))})" if settings.model else ""), err=True)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+        # SIGTERM/Ctrl-C: requests get GRACE_S to finish, then their streams are cancelled (a long generation
+        # would otherwise hold the shutdown for as long as it runs), then the runners stop
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level,
+                    timeout_graceful_shutdown=GRACE_S)
     except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
         if not failed:
             raise
     if failed:
         raise LocalLLMError(failed[0], "check the model with `localllm show`, or pull it again")
+
+
+GRACE_S = 5  # seconds in-flight requests get to finish when the server is told to stop
 
 
 def _fmt_size(n: int) -> str:

@@ -85,6 +85,7 @@ class ChatApp(App[None]):
         self.conversation_id: int | None = None
         self.generating = False
         self.last_finish: str | None = None  # finish reason of the last reply (tests read it)
+        self._turn_base = self._turn_tokens = 0  # the status bar's context count while a reply streams
         self._gen = 0  # id of the current generation; chunks of an older one are dropped
         self._stream: ChatStream | None = None
         self._reply: AssistantTurn | None = None
@@ -168,6 +169,7 @@ class ChatApp(App[None]):
         self._segment = self._reply.segments[-1]
         self._gen += 1
         self.generating = True
+        self._turn_base, self._turn_tokens = self.status.used, 0
         self._activity("● reading prompt…")
         self.generate(self._gen, self.model or "", list(self.messages), ChatSettings(**self.settings.to_dict()))
 
@@ -179,6 +181,7 @@ class ChatApp(App[None]):
             self.post_message(StreamFailed(gen, exc))
             return
         self._stream = stream
+        self._turn_base = stream.prompt_tokens or self.status.used  # the last turn's total: a lower bound
         if gen != self._gen:  # stopped before the stream existed
             stream.cancel()
             return
@@ -210,6 +213,11 @@ class ChatApp(App[None]):
         for chunk in batch:
             if chunk.notice is not None:
                 self.show_notice(chunk.notice)
+        if self._turn_tokens == 0:  # the model is loaded now: its context size is known
+            self._status_model()
+        # one token per piece where a stream does not say (Ollama's lines carry one token each)
+        self._turn_tokens += sum(len(c.tokens) or int(bool(c.text or reasoning_of(c))) for c in batch)
+        self.status.streaming(self._turn_base + self._turn_tokens)
         reasoning = "".join(reasoning_of(c) for c in batch)
         if reasoning and self._reply is not None:
             if not self._reasoning_text:

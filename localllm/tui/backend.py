@@ -83,7 +83,10 @@ def reasoning_of(chunk: Chunk) -> str:
 
 
 class ChatStream(Protocol):
-    """A reply's chunks: ReplyChunks (reasoning apart from the answer) or plain Chunks (answer only)."""
+    """A reply's chunks: ReplyChunks (reasoning apart from the answer) or plain Chunks (answer only).
+    prompt_tokens: the prompt's length as the model got it, 0 where not known until the end (over HTTP)."""
+
+    prompt_tokens: int
 
     def __iter__(self) -> Iterator[Chunk]: ...
     def cancel(self) -> None: ...
@@ -95,6 +98,7 @@ class ParsedStream:
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
+        self.prompt_tokens = len(reply.stream.prompt)
 
     def cancel(self) -> None:
         self.reply.cancel()

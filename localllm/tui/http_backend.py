@@ -88,6 +88,7 @@ class HttpStream:
 
     response: httpx.Response
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    prompt_tokens: int = 0  # Ollama's stream says it on its last line only
 
     def cancel(self) -> None:
         if self._cancelled.is_set():

@@ -235,6 +235,11 @@ class StatusBar(Static):
         self.stats = ""
         self.notice = ""
 
+    def streaming(self, used: int) -> None:
+        """While a reply streams: the context it fills so far (prompt + tokens generated)."""
+        self.used = used
+        self.redraw()
+
     def show_turn(self, usage: Usage | None, timings: Timings | None) -> None:
         if usage is None or usage.total_tokens == 0:
             return  # stopped before anything was read: keep the last turn's figures
