@@ -225,14 +225,17 @@ def test_tool_choice_named_forces_a_valid_call(script_srv: Server) -> None:
     # a free string argument: JSON forbids raw control characters in strings, and so does the grammar
     # (llama-cpp-python's converter let a random model write them; the arguments then did not parse)
     note = {"type": "function", "function": {"name": "note", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 12}}, "required": ["text"]}}}
+    complete = 0  # maxLength keeps each string short enough to end within max_tokens
     for seed in range(3):
         r = client.chat.completions.create(model=TINY, messages=USER, tools=[note], tool_choice="required",  # type: ignore[arg-type,list-item]
                                            max_tokens=60, seed=seed)
         calls = r.choices[0].message.tool_calls
         if r.choices[0].finish_reason == "tool_calls":
             assert calls and isinstance(json.loads(calls[0].function.arguments)["text"], str)  # type: ignore[union-attr]
+            complete += 1
         assert not any(ord(ch) < 32 for c in calls or [] for ch in c.function.arguments)  # type: ignore[union-attr]
+    assert complete == 3, "a call was cut short: its arguments were not checked"
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=TINY, messages=USER, tools=[tool],  # type: ignore[arg-type,list-item]
                                        tool_choice={"type": "function", "function": {"name": "nope"}})

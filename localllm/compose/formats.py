@@ -15,6 +15,7 @@ from typing import Any
 
 from localllm.errors import InvalidInput
 from localllm.runtime import templates
+from localllm.runtime.api import ModelView
 
 FALLBACK_TEMPLATE = "plain"
 # GGUF metadata key stem -> the role names templates.fim_prompt expects
@@ -93,8 +94,7 @@ def chat_format(info: Any, entry: dict[str, Any] | None, model: Any) -> ChatForm
     and the loaded runtime Model (to render special token ids as text)."""
     entry = entry or {}
     if info.chat_template:
-        fmt = ChatFormat(info.chat_template, "gguf", bos_token=_piece(model, getattr(model, "bos", -1)),
-                         eos_token=_piece(model, getattr(model, "eos", -1)))
+        fmt = ChatFormat(info.chat_template, "gguf", bos_token=_special(model, "bos"), eos_token=_special(model, "eos"))
     else:
         fmt = builtin_format(str(entry.get("template") or FALLBACK_TEMPLATE), model)
     fmt.fim = fim_tokens(info, entry, model)
@@ -108,8 +108,7 @@ def builtin_format(name: str, model: Any) -> ChatFormat:
     except InvalidInput:
         name, source = FALLBACK_TEMPLATE, templates.builtin_template(FALLBACK_TEMPLATE)
     return ChatFormat(source, name, stops=list(templates.BUILTIN_STOPS.get(name, ())),
-                      bos_token=_piece(model, getattr(model, "bos", -1)),
-                      eos_token=_piece(model, getattr(model, "eos", -1)))
+                      bos_token=_special(model, "bos"), eos_token=_special(model, "eos"))
 
 
 def file_format(path: Path, template_name: str | None, model: Any) -> ChatFormat:
@@ -133,10 +132,17 @@ def fim_tokens(info: Any, entry: dict[str, Any], model: Any) -> dict[str, str]:
     return out
 
 
-def _piece(model: Any, tok: int) -> str:
+def _piece(model: ModelView | None, tok: int) -> str:
     """A token id as text with special tokens spelled out; "" for none or an id outside the vocabulary."""
     if model is None or tok is None or tok < 0:
         return ""
     with contextlib.suppress(Exception):  # an id outside the vocabulary: treat as missing
         return str(model.detokenize([tok], special=True))
     return ""
+
+
+def _special(model: ModelView | None, which: str) -> str:
+    """The model's BOS or EOS token as text ("" without a loaded model)."""
+    if model is None:
+        return ""
+    return _piece(model, model.bos if which == "bos" else model.eos)

@@ -11,6 +11,7 @@ drafting options are the upstream's business and are not sent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -78,12 +79,13 @@ class RemoteBuilder:
     def _request(self, kind: str, body: dict[str, Any], o: Options) -> UpstreamRequest:
         sampling = {**self.defaults.sampling, **{k: v for k, v in o.sampling.items() if v is not None}}
         params = params_from(sampling)  # the same checks (and errors) as a local model's
+        checked = dataclasses.asdict(params)
         for key in STANDARD:
             if sampling.get(key) is not None and not (key == "seed" and params.seed is None):
-                body[key] = getattr(params, key)
+                body[key] = checked[key]
         for key, names in EXTENSIONS.items():
             if sampling.get(key) is not None:
-                body.update(dict.fromkeys(names, getattr(params, key)))
+                body.update(dict.fromkeys(names, checked[key]))
         limit = o.max_tokens if o.max_tokens is not None else self.defaults.max_tokens
         if limit is not None and not (isinstance(limit, int) and not isinstance(limit, bool) and limit in (-1, -2)):
             if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:

@@ -199,7 +199,7 @@ class ReplyParser:
         out: list[Delta] = []
         while True:
             before = (self.mode, self.buf, self._cur)
-            out += getattr(self, "_" + self.mode)(False)
+            out += self._step(self.mode, False)
             if (self.mode, self.buf, self._cur) == before:
                 return out
 
@@ -207,7 +207,7 @@ class ReplyParser:
         out = self.feed("")
         for _ in range(8):  # each mode flushes into the next at most a few times
             mode = self.mode
-            out += getattr(self, "_" + mode)(True)
+            out += self._step(mode, True)
             if self.mode == mode:
                 break
         self.buf = ""
@@ -222,6 +222,12 @@ class ReplyParser:
         else:
             self.content += text
         return [Delta(kind, text)]
+
+    def _step(self, mode: str, final: bool) -> list[Delta]:
+        """Read what the buffer holds in the current mode (reasoning, content, or inside a tool call)."""
+        if mode == "reasoning":
+            return self._reasoning(final)
+        return self._call(final) if mode == "call" else self._content(final)
 
     def _reasoning(self, final: bool) -> list[Delta]:
         if self._lead:

@@ -149,7 +149,8 @@ def flatten(data: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
 
 def _wire_options(body: CompletionBody) -> Options:
     n_predict = 1 if body.n_predict == 0 else body.n_predict  # 0 = warm-up: fill the cache, report nothing
-    return Options(sampling={k: getattr(body, k, None) for k in PARAM_KEYS}, max_tokens=n_predict,
+    fields = body.model_dump()
+    return Options(sampling={k: fields.get(k) for k in PARAM_KEYS}, max_tokens=n_predict,
                    max_tokens_name="n_predict", stop=body.stop, json_schema=body.json_schema, grammar=body.grammar,
                    context_policy=body.context_policy, n_keep=body.n_keep, ignore_eos=body.ignore_eos,
                    draft=body.model_extra or {}, logit_bias=body.logit_bias, post_sampling_probs=body.post_sampling_probs,
@@ -337,20 +338,26 @@ async def completion(body: CompletionBody, request: Request) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-    async with held(server_state(request), default_model(server_state(request), body.model)) as lease:
-        toks = lease.engine.tokenize(body.content, add_special=body.add_special, parse_special=True)
-        if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": lease.engine.detokenize([t])} for t in toks]}
-        return {"tokens": toks}
+    state = server_state(request)
+    async with held(state, default_model(state, body.model)) as lease:
+        engine = lease.engine
+
+        def tokens() -> dict[str, Any]:  # a runner's tokenizer is a round trip: never on the event loop
+            toks = engine.tokenize(body.content, add_special=body.add_special, parse_special=True)
+            if body.with_pieces:
+                return {"tokens": [{"id": t, "piece": engine.detokenize([t])} for t in toks]}
+            return {"tokens": toks}
+
+        return await run_in_threadpool(tokens)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
     async with held(server_state(request), default_model(server_state(request), body.model)) as lease:
-        n_vocab = getattr(getattr(lease.engine, "model", None), "n_vocab", None)
+        n_vocab = lease.engine.model.n_vocab if lease.engine.model is not None else None
         if n_vocab is not None and any(not 0 <= t < n_vocab for t in body.tokens):
             raise InvalidInput(f"token ids must be in 0..{n_vocab - 1}")
-        return {"content": lease.engine.detokenize(body.tokens)}
+        return {"content": await run_in_threadpool(lease.engine.detokenize, body.tokens)}
 
 
 def _normalized(vec: list[float], norm: int) -> list[float]:

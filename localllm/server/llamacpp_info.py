@@ -26,11 +26,11 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     """llama-server's answer while `serve --model` loads at start: 503 "Loading model"
     (unavailable_error); later, 503 {"status": "loading model"} while the pool loads a model; else 200 ok."""
-    if getattr(server_state(request), "starting", False):
+    state = server_state(request)
+    if state.starting:
         return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
                             status_code=503)
-    loads = getattr(server_state(request), "loads", None)
-    if loads is not None and loads.loading:
+    if state.loads.loading:
         return JSONResponse({"status": "loading model"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -40,13 +40,10 @@ def _engines(state: ServerState, *, local: bool = False) -> list[tuple[dict[str,
     template here), read without holding them; the server's default model (`serve --model`) last, so
     /props and /slots show it as llama-server shows its one model."""
     pool = state.pool
-    if pool is None:
-        return []
     loaded = dict(pool.engines())
     out = [(m, loaded.get(m["name"])) for m in pool.loaded()
            if loaded.get(m["name"]) is not None and not (local and m.get("remote"))]
-    default = getattr(state, "default_name", None)
-    return sorted(out, key=lambda pair: pair[0]["name"] == default)  # stable: load order otherwise
+    return sorted(out, key=lambda pair: pair[0]["name"] == state.default_name)  # stable: load order otherwise
 
 
 @router.get("/props")
@@ -55,8 +52,8 @@ async def props(request: Request) -> dict[str, Any]:
     state = server_state(request)
     engines = _engines(state, local=True)
     m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
-    n_ctx = getattr(engine, "n_ctx", None) or 0
-    slots = len(engine.stats()["slots"]) if engine is not None else state.settings.slots
+    n_ctx = engine.n_ctx if engine is not None else 0
+    slots = len((await run_in_threadpool(engine.stats))["slots"]) if engine is not None else state.settings.slots
     template = ""
     if engine is not None:
         async with held(state, m["name"]) as lease:  # held: the format reads the model's special tokens
@@ -88,7 +85,7 @@ async def slots(request: Request) -> list[dict[str, Any]]:
     if not engines:
         return []
     m, engine = engines[-1]
-    st = engine.stats()
+    st = await run_in_threadpool(engine.stats)  # a runner's stats are a round trip: off the event loop
     # a crashed runner's slots say so ("state": "crashed"), and are not processing
     return [{"id": s["id"], "n_ctx": st["n_ctx"], "is_processing": s["state"] not in ("idle", "crashed"),
              "state": s["state"], "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
@@ -103,7 +100,7 @@ async def metrics(request: Request) -> Response:
     hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
     remote_rows = []  # (name, the remote engine's upstream and latency)
     for m, engine in _engines(server_state(request)):
-        st = engine.stats()
+        st = await run_in_threadpool(engine.stats)
         if st.get("remote"):
             remote_rows.append((m["name"], st["remote"]))
         for tier in hits:

@@ -95,22 +95,21 @@ def parameters(pairs: list[tuple[str, Any]]) -> str:
 def _format(state: ServerState, man: Manifest, info: ModelInfo, entry: dict[str, Any] | None) -> ChatFormat:
     """The loaded model's ChatFormat (token text read from its vocabulary), else one from the file's facts
     and the catalog, with the server's --chat-template, without loading anything."""
-    engine = getattr(state.pool, "engine_for", lambda _: None)(man.name) if state.pool is not None else None
+    engine = state.pool.engine_for(man.name)
     if engine is not None:
         with contextlib.suppress(Exception):  # unloaded meanwhile, or its runner died: the file's facts
             return state.composer.chat_format(man.name, engine)  # type: ignore[no-any-return]
     fmt = chat_format(info, entry, None)
-    override = getattr(state.settings, "chat_template", None)
-    if override:
+    if state.settings.chat_template:
         with contextlib.suppress(LocalLLMError):
-            fmt = template_override(fmt, override, None)
+            fmt = template_override(fmt, state.settings.chat_template, None)
     return fmt
 
 
 def served_ctx(state: ServerState, man: Manifest) -> int | None:
     """The context a request for this model gets: the loaded engine's, else the server's plan for it."""
-    engine = getattr(state.pool, "engine_for", lambda _: None)(man.name) if state.pool is not None else None
-    n = getattr(engine, "n_ctx", None) if engine is not None else None
+    engine = state.pool.engine_for(man.name)
+    n = engine.n_ctx if engine is not None else None
     if not n:
         with contextlib.suppress(Exception):  # no plan (a file it cannot size): the client keeps its own
             n = state.composer.resolve(man.name, {}).engine_kwargs.get("n_ctx")
@@ -159,11 +158,8 @@ def installed(store: Store) -> list[Manifest]:
 # ---- remote models (models.remotes): listed beside the installed ones, shown without a file ----------------
 def remotes(state: ServerState, installed: list[Any]) -> list[Any]:
     """The remote models that no installed model (of `installed`, the store's list) shadows."""
-    listing = getattr(state, "remotes", None)
-    if listing is None:
-        return []
     names = {m.name for m in installed}
-    return [r for r in listing.readable() if r.name not in names]
+    return [r for r in state.remotes.readable() if r.name not in names]
 
 
 def remote_tag_entry(remote: Any) -> dict[str, Any]:

@@ -154,7 +154,7 @@ def _is_local_path(ref: str) -> bool:
 async def pull(body: PullBody, request: Request) -> Response:
     state = server_state(request)
     ref = body.ref()
-    local_ok = bool(getattr(state.settings, "allow_local_pull", False))
+    local_ok = state.settings.allow_local_pull
     if not local_ok and _is_local_path(ref):
         raise _local_pull_refused()  # before resolve: it would say whether the file exists
     source = state.catalog.resolve(ref)  # a bad name answers 4xx before any stream starts

@@ -120,9 +120,10 @@ def _options(body: _Common) -> dict[str, Any]:
 
 
 def _wire_options(body: _Common, max_tokens: Any) -> Options:
+    fields = body.model_dump()
     sampling = {k: (body.options or {}).get(k) for k in PARAM_KEYS}
     for key in PARAM_KEYS:
-        direct = getattr(body, key, None)
+        direct = fields.get(key)
         if direct is not None:
             sampling[key] = direct
     n_probs, n_probs_name = _n_probs(body)
@@ -132,7 +133,7 @@ def _wire_options(body: _Common, max_tokens: Any) -> Options:
         think = think if think is not None else body.reasoning_effort
         budget, choice = body.reasoning_budget, body.tool_choice
     return Options(think=think, reasoning_budget=budget, tool_choice=choice, sampling=sampling, max_tokens=max_tokens, stop=body.stop,
-                   format=getattr(body, "response_format", None), grammar=body.grammar,
+                   format=fields.get("response_format"), grammar=body.grammar,
                    context_policy=body.context_policy,
                    draft=body.model_extra or {}, logit_bias=body.logit_bias, openai_bias=True,
                    n_probs=n_probs, n_probs_name=n_probs_name)
@@ -147,7 +148,8 @@ def _n_probs(body: _Common) -> tuple[Any, str]:
                 raise InvalidInput("top_logprobs requires logprobs to be set to true")
             return None, "top_logprobs"
         return (body.top_logprobs if body.top_logprobs is not None else 0), "top_logprobs"
-    return getattr(body, "logprobs", None), "logprobs"
+    assert isinstance(body, CompletionRequest)
+    return body.logprobs, "logprobs"
 
 
 def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
@@ -344,7 +346,7 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     prefix = "chatcmpl-" if chat else "cmpl-"
     base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": g.name}
-    echo = body.prompt if (not chat and getattr(body, "echo", False) and isinstance(body.prompt, str)) else ""
+    echo = body.prompt if isinstance(body, CompletionRequest) and body.echo and isinstance(body.prompt, str) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
         events = _events(gens, chat=chat, base=base, include_usage=include, echo=echo)
