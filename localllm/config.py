@@ -97,7 +97,7 @@ class Settings:
     lookup: bool = False
     # prompt lookup for every model without asking, for a lone generating stream where the adaptive planner
     # predicts a gain (lookup = true drafts by lookup as asked; `serve --no-lookup` turns both off). Off by
-    # default: measured over HTTP on a 2-core CPU it lost throughput (README, "against llama.cpp's own server")
+    # default: measured over HTTP on a 2-core CPU it lost throughput (docs/benchmarks.md, "against llama.cpp's own server")
     lookup_auto: bool = False
     draft_max: int = 16
     draft_adaptive: bool = True  # False: always draft draft_max (llama-server's behaviour)
@@ -117,7 +117,7 @@ class Settings:
     seed: int | None = None
     chat_template: str | None = None
     # llama.cpp RPC workers (`localllm worker`) that every model's offloaded layers are split over:
-    # "host:port,host:port" (runtime.rpc.parse_endpoints); unauthenticated, so loopback or a trusted network
+    # "host:port,host:port" (runtime.native.rpc.parse_endpoints); unauthenticated, so loopback or a trusted network
     rpc: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -127,9 +127,9 @@ class Settings:
 # is refused the same way wherever it comes from, with a message that says what is allowed.
 
 MAX_CTX = 1 << 20  # tokens per context: compose.spec.MAX_CTX
-MAX_SLOTS = 256  # llama.cpp's most sequences per context (runtime/llama.py)
+MAX_SLOTS = 256  # llama.cpp's most sequences per context (runtime/native/llama.py)
 MAX_THREADS = 1024  # as the server's options.num_thread
-MAX_DRAFT = 64  # runtime.speculative.SpecConfig.problems: draft_max in 0..64
+MAX_DRAFT = 64  # runtime.speculative.verify.SpecConfig.problems: draft_max in 0..64
 MAX_SEED = (1 << 32) - 1  # llama.cpp seeds are uint32
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"

@@ -1,6 +1,6 @@
 """Processes started as if from a fresh shell: without the AMX guard the test process may have by then.
 
-runtime/cpu_guard.py installs a seccomp filter in a process that loads a model with cpu_kernels "no-amx"
+runtime/native/cpu_guard.py installs a seccomp filter in a process that loads a model with cpu_kernels "no-amx"
 ("auto" picks it on a machine with AMX and an AMX build), and every process started from it afterwards
 inherits the filter for good. The suite loads models in-process, so on such a machine the tests of the
 guard itself and of each kernel mode would see the guard already in place in every child (issue 34: they

@@ -3,10 +3,11 @@ internet, and the fixtures several test files use live here (plain helpers are i
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -37,7 +38,7 @@ def localllm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LOCALLLM_HOME", str(home))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: fails fast, never leaves the host
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    # LOCALLLM_AMX_GUARD stays: it says this process has the AMX guard (runtime/cpu_guard.py), which it keeps
+    # LOCALLLM_AMX_GUARD stays: it says this process has the AMX guard (runtime/native/cpu_guard.py), which it keeps
     for var in [v for v in os.environ if v.startswith("LOCALLLM_") and v not in ("LOCALLLM_HOME", "LOCALLLM_AMX_GUARD")]:
         monkeypatch.delenv(var, raising=False)
     return home
@@ -58,31 +59,42 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
 
 
+@pytest.fixture
+def running_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """`running_server(root=None, **settings)`: a real server over the tiny model with these settings
+    (helpers.start_server), stopped when the test ends, however it ends."""
+    from helpers import serving
+
+    started: list[int] = []
+    with contextlib.ExitStack() as stack:
+        def start(root: Path | None = None, **settings: Any) -> Server:
+            started.append(1)
+            return stack.enter_context(serving(root or tmp_path / f"server-{len(started)}", **settings))
+
+        yield start
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A real uvicorn server on a loopback port over the tiny model, one per test module (helpers.start_server)."""
-    from helpers import start_server
+    from helpers import serving
 
-    info, server, thread = start_server(tmp_path_factory.mktemp("srv"))
-    yield info
-    server.should_exit = True
-    thread.join(timeout=20)
+    with serving(tmp_path_factory.mktemp("srv")) as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
 def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server over the tiny model plus tests/scriptmodel.py's THINKER and CALLER (real GGUFs whose greedy
     replies are known: reasoning then an answer, reasoning then a tool call), one per test module."""
-    from helpers import install, start_server
+    from helpers import install, serving
     from scriptmodel import CALLER, THINKER, make_script_gguf
 
     root = tmp_path_factory.mktemp("script")
-    info, server, thread = start_server(root)
-    for name, script in (("thinker", THINKER), ("caller", CALLER)):
-        install(info.app.state.server.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
-    yield info
-    server.should_exit = True
-    thread.join(timeout=20)
+    with serving(root) as info:
+        for name, script in (("thinker", THINKER), ("caller", CALLER)):
+            install(info.app.state.server.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
+        yield info
 
 
 @pytest.fixture

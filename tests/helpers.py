@@ -14,6 +14,7 @@ localllm is imported inside the functions, so importing this module stays cheap 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from localllm.tui.backend import CatalogRow, ChatSettings, ModelRow, PullProgress
 
 # ---- greedy output against the reference ----------------------------------------------------------
-# The tiny models are F32: batched logits stray < 0.1 from the reference's (runtime/reference.py); a fault
-# (a wrong cell, a lost prefix) misses by far more. gemma-3-270m uses runtime/reference.py's TOL.
+# The tiny models are F32: batched logits stray < 0.1 from the reference's (eval/reference.py); a fault
+# (a wrong cell, a lost prefix) misses by far more. gemma-3-270m uses eval/reference.py's TOL.
 TINY_TOL = 0.5
 
 
@@ -40,7 +41,7 @@ def assert_like_reference(path: Path, prompt: Sequence[int], *outputs: Sequence[
     """Each of `outputs` (greedy tokens for `prompt`, at most n) is the fresh-context reference's, up to
     near-ties within `tol`, also after one (compare(follow=True)). For two paths that do not run the same
     batches on the same KV cells, where == holds only by luck on some CPUs (issue 34)."""
-    from localllm.runtime.reference import Reference, compare
+    from localllm.eval.reference import Reference, compare
 
     with Reference(path, n_ctx=n_ctx, threads=2) as ref:
         expected = ref.greedy(list(prompt), n, ignore_eos=ignore_eos)
@@ -111,6 +112,18 @@ def start_server(root: Path, *, remotes: Any = None, **settings_kw: Any) -> tupl
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     return Server(f"http://127.0.0.1:{port}", port, app, root), server, thread
+
+
+@contextlib.contextmanager
+def serving(root: Path, *, remotes: Any = None, **settings_kw: Any) -> Iterator[Server]:
+    """start_server for the length of a `with` block: stopped on every path (conftest's running_server
+    fixture and the module-scoped server fixtures use it)."""
+    info, server, thread = start_server(root, remotes=remotes, **settings_kw)
+    try:
+        yield info
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
 
 
 def wait_idle(pool: Any, timeout: float = 10.0) -> None:

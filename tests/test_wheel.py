@@ -41,7 +41,7 @@ def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "localllm/models.toml" in names
     for module in ("localllm/cli/__init__.py", "localllm/models/quantize.py", "localllm/machine/doctor.py",
-                   "localllm/runtime/devices.py", "localllm/models/store.py", "localllm/models/catalog.py"):
+                   "localllm/runtime/native/devices.py", "localllm/models/store.py", "localllm/models/catalog.py"):
         assert module in names, module
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "localllm = localllm.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -49,7 +49,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_engine(path: str, n_ctx: int, threads: int, gen: int, streams: list[int]) -> dict[str, Any]:
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     g = GenerationParams(temperature=0)
@@ -93,7 +93,7 @@ def run_engine(path: str, n_ctx: int, threads: int, gen: int, streams: list[int]
 
 
 def run_llama(path: str, n_ctx: int, threads: int, gen: int, streams: list[int]) -> dict[str, Any]:
-    from localllm.runtime.baseline import LlamaBaseline
+    from localllm.eval.baseline import LlamaBaseline
 
     t = time.perf_counter()
     b = LlamaBaseline(path, n_ctx=n_ctx, threads=threads)
@@ -118,9 +118,9 @@ def run_llama(path: str, n_ctx: int, threads: int, gen: int, streams: list[int])
 
 def run_pair(path: str, n_ctx: int, threads: int, gen: int, streams: list[int], rounds: int = 3) -> dict[str, Any]:
     """Single-stream decode, both sides in one process, alternating: shared-machine noise hits both alike."""
-    from localllm.runtime.baseline import LlamaBaseline
-    from localllm.runtime.engine import Engine
-    from localllm.runtime.speculative import SpecConfig
+    from localllm.eval.baseline import LlamaBaseline
+    from localllm.runtime.engine.scheduler import Engine
+    from localllm.runtime.speculative.verify import SpecConfig
     from localllm.runtime.types import GenerationParams, Request
 
     b = LlamaBaseline(path, n_ctx=n_ctx, threads=threads)

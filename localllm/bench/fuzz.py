@@ -8,7 +8,7 @@ prompts than slots; sometimes a state cache of a few states only), context shift
 policy, long max_tokens, ignore_eos), and prompt-lookup / draft-model drafting on and off (the
 model drafts for itself). Between and *while* those run, probes — greedy prompts, short ones, ones
 sharing prefixes with earlier requests, ones longer than the window — must give the tokens a fresh
-single-sequence llama.cpp context gives (runtime/reference.py), up to near-ties of TOL logits. The
+single-sequence llama.cpp context gives (eval/reference.py), up to near-ties of TOL logits. The
 first tokens of every greedy background request that ran to its end are checked the same way.
 
 Each episode is a new Engine with drawn settings (drafting, state-cache budget, park threshold) and
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.bench.traffic import Item, Traffic
-from localllm.runtime.reference import TOL, Reference, compare
+from localllm.eval.reference import TOL, Reference, compare
 
 __all__ = ["FuzzReport", "fuzz", "print_table"]
 
@@ -94,7 +94,7 @@ class _Fuzzer(Traffic):
         self.long_history: list[list[int]] = []
 
     def engine_settings(self) -> dict[str, Any]:
-        from localllm.runtime.speculative import SpecConfig
+        from localllm.runtime.speculative.verify import SpecConfig
 
         kw: dict[str, Any] = dict(self.engine_kwargs)
         kw.setdefault("n_ctx", self.n_ctx)
@@ -222,7 +222,7 @@ class _Fuzzer(Traffic):
                     "expected": m.detokenize(v.expected)[:80], "got": m.detokenize(v.got)[:80]})
 
     def run(self, seconds: float, rounds: int | None, episodes: int | None) -> FuzzReport:
-        from localllm.runtime.engine import Engine
+        from localllm.runtime.engine.scheduler import Engine
 
         t0 = time.perf_counter()
         rep = self.report
@@ -285,7 +285,7 @@ def fuzz(model_path: str | Path, *, seconds: float = 60.0, seed: int = 0, slots:
     model (the model itself) / both per episode. engine_kwargs go to every Engine (kv_type, n_batch…).
     scenarios: a subset of _Fuzzer.SCENARIOS (default all), each episode runs them once in a shuffled order.
     """
-    from localllm.runtime.llama import round_ctx
+    from localllm.runtime.native.llama import round_ctx
 
     n_ctx = round_ctx(n_ctx)
     f = _Fuzzer(Path(model_path), seed=seed, slots=slots, n_ctx=n_ctx, threads=threads, spec=spec,

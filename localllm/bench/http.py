@@ -289,7 +289,7 @@ def engine_round(eng: Any, gen: int, r: int) -> float:
 
 def open_engine(path: Path, kwargs: dict[str, Any]) -> tuple[Any, list[int]]:
     """The in-process baseline Engine (warmed up) and the model's end-of-generation ids."""
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     eng = Engine(path, **kwargs, state_cache_bytes=0)

@@ -50,8 +50,8 @@ def measure(path: Path, text_path: Path, *, what: str, n_ctx: int, decode_tokens
     (n_vocab × n_ctx/2 floats: 270 MB for Gemma 3's 262k vocabulary), which would swamp the RSS
     of the model itself.
     """
-    from localllm.runtime.engine import Engine
-    from localllm.runtime.perplexity import perplexity
+    from localllm.eval.perplexity import perplexity
+    from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     text = text_path.read_text(encoding="utf-8")
@@ -112,6 +112,7 @@ def _n_weights(path: Path) -> int:
 
 def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
     """Build and measure the ladder; returns {"source", "notes", "rows"} (first row is the F16 baseline)."""
+    from localllm.eval.perplexity import default_text_path
     from localllm.models.quantize import (
         FTYPES,
         UNQUANTIZED,
@@ -122,7 +123,6 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
         resolve_source,
     )
     from localllm.models.store import Store
-    from localllm.runtime.perplexity import default_text_path
 
     types = [t.strip().upper() for t in args.types if t.strip()]
     unknown = [t for t in types if t not in FTYPES]
@@ -149,7 +149,7 @@ def run_ladder(args: BenchQuantsArgs) -> dict[str, Any]:
             _log(f"dequantizing {src_name} to F16 …")
             dequantize_to_f16(src, base)
             base_type = "F16"
-        from localllm.runtime.llama import init_backend
+        from localllm.runtime.native.llama import init_backend
 
         # silences llama.cpp's log: a fallback warning per tensor is noise here (LOCALLLM_DEBUG=1 shows it)
         init_backend()

@@ -81,8 +81,8 @@ def _run(engine: Any, prompt: str, streams: int, gen: int) -> dict[str, Any]:
 
 def verify_cost(path: Path, threads: int, rows: tuple[int, ...] = (1, 2, 4, 8, 16), reps: int = 12) -> dict[int, float]:
     """Median ms of one target decode carrying `k` consecutive rows of one sequence, all with logits."""
-    from localllm.runtime.llama import Batch, Context, Model
-    from localllm.runtime.speculative import time_rows
+    from localllm.runtime.native.llama import Batch, Context, Model
+    from localllm.runtime.speculative.verify import time_rows
 
     m = Model(path)
     ctx = Context(m, n_ctx=1024, n_batch=64, n_threads=threads)
@@ -107,8 +107,8 @@ def verify_cost(path: Path, threads: int, rows: tuple[int, ...] = (1, 2, 4, 8, 1
 
 def run(path: Path, *, draft: Path | None, threads: int, gen: int = 256, draft_max: int = 16,
         model_name: str = "", draft_name: str = "", log: Any = None) -> dict[str, Any]:
-    from localllm.runtime.engine import Engine
-    from localllm.runtime.speculative import SpecConfig
+    from localllm.runtime.engine.scheduler import Engine
+    from localllm.runtime.speculative.verify import SpecConfig
     from localllm.runtime.types import Request
 
     configs: list[tuple[str, SpecConfig | None]] = [("none", None), ("lookup", SpecConfig(lookup=True,

@@ -19,7 +19,7 @@ def doctor(as_json: bool, probe_model: str | None) -> None:
     from localllm.cli import load_settings
     from localllm.config import InvalidSetting
     from localllm.machine.doctor import report
-    from localllm.runtime.devices import build_info
+    from localllm.runtime.native.devices import build_info
 
     bad_setting = None
     try:
@@ -72,7 +72,7 @@ def _probe_amx(model: str, rep: dict) -> None:
     from localllm.cli.run import resolve_model
     from localllm.machine import kernels
     from localllm.machine.probe import cpu_info
-    from localllm.runtime import cpu_guard
+    from localllm.runtime.native import cpu_guard
 
     k = rep["cpu_kernels"]
     if not (k["amx_cpu"] and k["amx_build"]):

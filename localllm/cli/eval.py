@@ -24,9 +24,9 @@ def eval_() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def ppl(model: str, text_path: Path | None, ctx: int, threads: int | None, as_json: bool) -> None:
     """Perplexity of MODEL (store name or .gguf path) over a text, llama.cpp-style windows."""
+    from localllm.eval.perplexity import default_text_path, perplexity
     from localllm.models.quantize import resolve_source
     from localllm.models.store import Store
-    from localllm.runtime.perplexity import default_text_path, perplexity
 
     path, name, _ = resolve_source(model, Store())
     text_path = text_path or default_text_path()

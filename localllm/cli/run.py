@@ -135,7 +135,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     the server's.
     --draft and --lookup (speculative decoding) run in this process.
     """
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
@@ -162,7 +162,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels)
     if draft or lookup:
-        from localllm.runtime.speculative import SpecConfig
+        from localllm.runtime.speculative.verify import SpecConfig
 
         kwargs["spec"] = SpecConfig(draft_model=resolve_model(draft)[0] if draft else None, draft_name=draft or "",
                                     lookup=lookup, draft_max=draft_max)
@@ -216,8 +216,8 @@ def _remote_model(model: str) -> Any:
 
 def _run_remote_model(remote: Any, prompt: str, ask: Asked) -> None:
     """One prompt through a remote model's upstream, in this process (the same builder as the server's)."""
-    from localllm.compose.remote import RemoteEngine
-    from localllm.compose.remote_requests import RemoteBuilder
+    from localllm.compose.remote.engine import RemoteEngine
+    from localllm.compose.remote.requests import RemoteBuilder
 
     engine = RemoteEngine(remote=remote)
     try:
@@ -232,17 +232,16 @@ def _try_server(model: str, prompt: str, ask: Asked) -> bool:
     p = Path(model).expanduser()
     if p.suffix == ".gguf" or p.is_file():  # a file path is not something a server can be asked for
         return False
-    from localllm.cli import load_settings, remote
-    from localllm.cli.client import find_server
+    from localllm.cli import client, load_settings
 
     settings = load_settings()
-    url = find_server(settings)
+    url = client.find_server(settings)
     if url is None:
         return False
     try:
-        remote.run_remote(url, model, prompt, raw=ask.raw, options=ask.ollama_options(), verbose=ask.verbose,
+        client.run_on_server(url, model, prompt, raw=ask.raw, options=ask.ollama_options(), verbose=ask.verbose,
                           api_key=settings.api_key, think=ask.think)
-    except remote.ServerMissingModel:  # not installed there: in-process auto-pulls catalog models as before
+    except client.ServerMissingModel:  # not installed there: in-process auto-pulls catalog models as before
         return False
     sys.stdout.write("\n")
     return True

@@ -40,7 +40,7 @@ def _check_n_predict(value: Any) -> None:
 
 def _check_template(value: Any) -> None:
     """A built-in template name, or a Jinja file that renders a one-message chat."""
-    from localllm.runtime.templates import BUILTIN_TEMPLATES, render_chat
+    from localllm.compose.templates import BUILTIN_TEMPLATES, render_chat
 
     if str(value).lower() in BUILTIN_TEMPLATES:
         return
@@ -58,16 +58,16 @@ def _check_template(value: Any) -> None:
 
 
 def _check_rpc_syntax(value: str) -> None:
-    from localllm.runtime.rpc import parse_endpoints
+    from localllm.runtime.native.rpc import parse_endpoints
 
     if not parse_endpoints(value):
         raise ValueError("give at least one RPC worker as host:port")
 
 
 def _check_rpc(value: str) -> None:
-    """At start: the build must have RPC; the security stance is said once (README: "When one machine is not enough")."""
+    """At start: the build must have RPC; the security stance is said once (docs/remote.md)."""
     from localllm.cli.worker import SECURITY
-    from localllm.runtime import rpc
+    from localllm.runtime.native import rpc
 
     rpc.require()
     click.secho(f"warning: models load with layers on RPC workers {value}. {SECURITY}", fg="yellow", err=True)
@@ -190,14 +190,13 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
                     fg="yellow", err=True)
-    app = create_app(settings)
     failed: list[str] = []
 
     def fatal(message: str) -> None:  # the default model cannot load: stop, as llama-server does
         failed.append(message)
         signal.raise_signal(signal.SIGINT)  # uvicorn.run owns the server: its own graceful shutdown
 
-    app.state.server.on_fatal = fatal
+    app = create_app(settings, on_fatal=fatal)
     click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
                + (f" (loading {', '.join(model_names(settings.model))})" if settings.model else ""), err=True)
     try:

@@ -28,7 +28,7 @@ def worker(host: str, port: int, threads: int | None, cache_dir: str | None) -> 
     One client at a time: a second server waits until the first disconnects.
     """
     from localllm.config import valid_host
-    from localllm.runtime import rpc
+    from localllm.runtime.native import rpc
 
     if not valid_host(host) or ":" in host:
         raise click.BadParameter(f"{host!r} is not a host name or IPv4 address (llama.cpp's RPC has no IPv6)",

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localllm.compose import templates
 from localllm.errors import InvalidInput
-from localllm.runtime import templates
 from localllm.runtime.api import ModelView
 
 FALLBACK_TEMPLATE = "plain"

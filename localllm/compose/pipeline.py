@@ -1,5 +1,5 @@
 """The one reply pipeline: a plan (compose/plan.py) through an engine, read as it streams. Every door uses
-it — the HTTP dialects (server/lifecycle.py, on the event loop), `localllm run` and the chat UI (blocking)
+it — the HTTP dialects (server/core/lifecycle.py, on the event loop), `localllm run` and the chat UI (blocking)
 — so they all get the same reply:
 
 - the builder's notices first (oldest turns dropped to fit the context);
@@ -27,7 +27,7 @@ from typing import TypeVar
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.reply import Delta, ReplyParser
 from localllm.runtime.api import ModelEngine, TokenStream
-from localllm.runtime.stream import achunks
+from localllm.runtime.engine.stream import achunks
 from localllm.runtime.types import Chunk, Request, Result, Usage
 
 Item = tuple[Chunk, list[Delta]]  # a chunk and the reply read from it
@@ -185,7 +185,7 @@ class Reply:
 
 class AsyncReply:
     """A plan's reply on an event loop (the server): `async for chunk, deltas in reply`. `submit` runs a
-    request on the engine without blocking the loop (server/lifecycle.py passes its own)."""
+    request on the engine without blocking the loop (server/core/lifecycle.py passes its own)."""
 
     def __init__(self, plan: Plan, stream: TokenStream, n_ctx: int,
                  submit: Callable[[Request], Awaitable[TokenStream]]) -> None:

@@ -101,10 +101,10 @@ def engine_factory(isolate: bool = True) -> Callable[..., ModelEngine]:
     """What the pool loads a model with: a runner process (a native fault costs its requests an
     error, not the process holding the pool), or the Engine in this process (`runner = "inline"`)."""
     if isolate:
-        from localllm.runtime.runner import Runner
+        from localllm.runtime.runner.host import Runner
 
         return Runner
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
 
     return Engine
 

@@ -42,7 +42,7 @@ class ReplyFormat:
     in_reasoning: bool = False
     tools: str | None = None
     budget: int | None = None
-    # a remote model's reply (compose.remote): its upstream split reasoning and calls off already and they
+    # a remote model's reply (compose.remote.engine): its upstream split reasoning and calls off already and they
     # arrive only as whole markers written here, so nothing is held back or guessed from the text
     marked: bool = False
 

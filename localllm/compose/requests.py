@@ -26,10 +26,10 @@ from localllm.compose.formats import ChatFormat, template_messages
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
+from localllm.compose.templates import fim_prompt, truncate_history
 from localllm.compose.tool_grammar import call_grammar
 from localllm.errors import ContextOverflow, InvalidInput
-from localllm.runtime.prefix_cache import common_prefix
-from localllm.runtime.templates import fim_prompt, truncate_history
+from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Notice, Request
 
 # sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)

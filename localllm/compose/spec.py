@@ -21,7 +21,7 @@ from localllm.errors import InvalidInput
 from localllm.runtime.api import ModelEngine
 
 if TYPE_CHECKING:
-    from localllm.compose.remote_requests import RemoteBuilder
+    from localllm.compose.remote.requests import RemoteBuilder
 
 MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 
@@ -47,7 +47,7 @@ def rpc_devices(rpc: str) -> tuple[list[Any], dict[str, Any]]:
     """(the devices the fit plan sees, the engine's `rpc` kwarg): this machine's CPU, and its GPUs and the
     workers as one GPU with their free memory summed (llama.cpp splits the offloaded layers by free memory)."""
     from localllm.machine.probe import Device, detect_devices
-    from localllm.runtime import rpc as rpc_mod
+    from localllm.runtime.native import rpc as rpc_mod
 
     endpoints = rpc_mod.parse_endpoints(rpc)
     workers = rpc_mod.workers(endpoints)
@@ -74,7 +74,7 @@ def remote_details(remote: Any) -> dict[str, Any]:
 def template_override(fmt: ChatFormat, value: str, model: Any) -> ChatFormat:
     """`fmt` with the template `serve --chat-template` names instead of the model's own: a built-in
     name (with its stop strings) or a Jinja file. The model's BOS/EOS text and FIM tokens stay."""
-    from localllm.runtime.templates import BUILTIN_TEMPLATES
+    from localllm.compose.templates import BUILTIN_TEMPLATES
 
     if value.lower() in BUILTIN_TEMPLATES:
         new = builtin_format(value.lower(), model)
@@ -137,7 +137,7 @@ class Composer:
             raise InvalidInput("missing model name", "send \"model\": \"name:tag\"")
         remote = self.remote(name)
         if remote is not None:
-            from localllm.compose.remote import RemoteEngine
+            from localllm.compose.remote.engine import RemoteEngine
 
             return ModelSpec(name=remote.name, path=Path(), engine_kwargs={"remote": remote}, details=remote_details(remote),
                              remote=remote.url, factory=RemoteEngine)
@@ -179,7 +179,7 @@ class Composer:
 
         `draft = "auto"` uses the catalog's pairing when that draft is installed, silently nothing
         otherwise; a named draft must be installed. A model never drafts for itself."""
-        from localllm.runtime.speculative import SpecConfig
+        from localllm.runtime.speculative.verify import SpecConfig
 
         s = self.settings
         if not s.draft and not s.lookup:
@@ -240,11 +240,11 @@ class Composer:
 
     def builder(self, name: str, engine: ModelEngine) -> RequestBuilder | RemoteBuilder:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:
-        compose.requests.RequestBuilder, or for a remote model compose.remote_requests.RemoteBuilder (the
+        compose.requests.RequestBuilder, or for a remote model compose.remote.requests.RemoteBuilder (the
         same calls)."""
         if engine.kind == "remote":  # its module is loaded then (httpx too): local models never import it
-            from localllm.compose.remote import RemoteEngine
-            from localllm.compose.remote_requests import RemoteBuilder
+            from localllm.compose.remote.engine import RemoteEngine
+            from localllm.compose.remote.requests import RemoteBuilder
 
             assert isinstance(engine, RemoteEngine)
             return RemoteBuilder(engine.remote, self.defaults())

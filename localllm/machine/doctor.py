@@ -1,7 +1,7 @@
 """`localllm doctor`: does the installed llama.cpp build fit the GPUs this machine has, and which CPU
 kernels will it use?
 
-`machine_facts()` looks at the machine (no llama_cpp), `runtime.devices.build_info()` at the build,
+`machine_facts()` looks at the machine (no llama_cpp), `runtime.native.devices.build_info()` at the build,
 and `diagnose()` is a pure function of the two, so the mismatch logic is testable with made-up facts.
 `cpu_kernels()` is machine/kernels.py's choice for the same facts and the cpu_kernels setting.
 """
@@ -149,7 +149,7 @@ def cpu_kernels(build: dict[str, Any], facts: MachineFacts, setting: str = "auto
 
 
 def report(build: dict[str, Any], facts: MachineFacts | None = None, setting: str = "auto") -> dict[str, Any]:
-    """The doctor's report for a llama.cpp build (runtime.devices.build_info) on this machine;
+    """The doctor's report for a llama.cpp build (runtime.native.devices.build_info) on this machine;
     `setting` is the cpu_kernels setting."""
     verdict = None
     if facts is None:  # this machine: a probe's remembered verdict counts too (keyed by every CPU flag)

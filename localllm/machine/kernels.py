@@ -4,11 +4,11 @@ llama.cpp repacks weights at load into "extra buffer types" for faster CPU kerne
 (Q4_0, IQ4_NL, Q4_K interleaved for AVX2/AVX-512/NEON) and, on Intel Xeons with AMX and a build with
 AMX kernels, the AMX buffer type, whose matmul crashes every generation with SIGSEGV on some machines
 (llama.cpp issue 20824). `llama_model_params.use_extra_bufts = False` avoids it but also turns off
-CPU_REPACK. On Linux x86_64 AMX alone can be kept out: runtime/cpu_guard.py makes the AMX permission
+CPU_REPACK. On Linux x86_64 AMX alone can be kept out: runtime/native/cpu_guard.py makes the AMX permission
 request fail before the first model load, so llama.cpp leaves AMX out of its list ("no-amx").
 
 `choose()` is pure (flags, build and OS handed in) so every verdict is testable on any machine; the
-runtime applies the mode (runtime/llama.py) and `localllm doctor` shows it with its reason. A verdict
+runtime applies the mode (runtime/native/llama.py) and `localllm doctor` shows it with its reason. A verdict
 remembered from a probe on this very machine (`save_verdict`) may let "auto" use AMX after all.
 """
 

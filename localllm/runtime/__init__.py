@@ -26,7 +26,7 @@ __all__ = ["Chunk", "ContextPolicy", "Engine", "FinishReason", "GenerationParams
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "Stream"):
-        from localllm.runtime import engine
+        from localllm.runtime.engine import scheduler as engine
 
         return getattr(engine, name)
     raise AttributeError(name)

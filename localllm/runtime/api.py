@@ -1,7 +1,7 @@
 """The engine protocol: everything the pool and the doors may ask of a loaded model, whoever serves it.
 
-Three implement it: the in-process `Engine` (runtime/engine.py), a runner process's host `Runner`
-(runtime/runner.py), and a remote model's `RemoteEngine` (compose/remote.py). The pool and every door
+Three implement it: the in-process `Engine` (runtime/engine/scheduler.py), a runner process's host `Runner`
+(runtime/runner/host.py), and a remote model's `RemoteEngine` (compose/remote/engine.py). The pool and every door
 use only what is written here: no attribute probing, no choice by class or module.
 
 Cancelling is the stream's (`TokenStream.cancel`); closing the engine ends every stream still running.
@@ -19,7 +19,7 @@ from localllm.runtime.types import Chunk, Request, Result
 
 
 class TokenStream(Protocol):
-    """One request's chunks, in order (runtime/stream.py `Stream` is the one implementation)."""
+    """One request's chunks, in order (runtime/engine/stream.py `Stream` is the one implementation)."""
 
     id: str
     prompt: list[int]  # the token ids that reached the model (after any truncation); [] for a remote model
@@ -34,7 +34,7 @@ class TokenStream(Protocol):
 
 
 class ModelView(Protocol):
-    """What the doors read from a loaded model's vocabulary (runtime/llama.py `Model`, or the runner's copy)."""
+    """What the doors read from a loaded model's vocabulary (runtime/native/llama.py `Model`, or the runner's copy)."""
 
     n_vocab: int
     bos: int
@@ -47,7 +47,7 @@ class ModelView(Protocol):
     def is_eog(self, token: int) -> bool: ...
 
 
-EMBED_CTX = 2048  # tokens one embedding input may have (at most the model's trained context): runtime/embed.py
+EMBED_CTX = 2048  # tokens one embedding input may have (at most the model's trained context): runtime/native/embed.py
 
 
 @dataclass(frozen=True)

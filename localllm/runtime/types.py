@@ -35,7 +35,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     # (token id, bias added to its logit); -inf never samples it. Ids are checked against the vocabulary
-    # when the sampler chain is built (runtime.sampling), where the model is known.
+    # when the sampler chain is built (runtime.engine.sampling), where the model is known.
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
@@ -91,7 +91,7 @@ class Request:
     add_special: bool = True  # BOS as the GGUF asks, exactly once (Model.tokenize): not again if the text has it
     parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
     ignore_eos: bool = False
-    # a sliding-window model's prefill is cut where llama-server cuts a completion's (runtime/prefill_split.py),
+    # a sliding-window model's prefill is cut where llama-server cuts a completion's (runtime/engine/prefill_split.py),
     # so a single request gets its greedy output; False for /infill, which llama-server does not cut
     prefill_cuts: bool = True
     # speculative decoding, when the engine has a drafter: None = the engine's default, draft_max 0 = off

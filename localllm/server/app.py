@@ -1,11 +1,11 @@
-"""`create_app(...)`: builds the FastAPI app and its typed state (server/state.py); no module globals."""
+"""`create_app(...)`: builds the FastAPI app and its typed state (server/core/state.py); no module globals."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -17,9 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from localllm import __version__
 from localllm.config import Settings, load_settings, model_names
 from localllm.errors import LocalLLMError
-from localllm.server.security import BodyTooLarge, GuardMiddleware, body_problem, error_body, is_blob_upload
-from localllm.server.state import LoadTracker, ServerState
-from localllm.server.supersede import Supersede
+from localllm.server.core.security import (
+    BodyTooLarge,
+    GuardMiddleware,
+    body_problem,
+    error_body,
+    is_blob_upload,
+)
+from localllm.server.core.state import LoadTracker, ServerState
+from localllm.server.core.supersede import Supersede
 
 if TYPE_CHECKING:
     from localllm.compose.pool import ModelPool
@@ -158,9 +164,10 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(settings: Settings | None = None, *, store: Any = None, catalog: Any = None,
-               pool: ModelPool | None = None, remotes: Any = None) -> FastAPI:
+               pool: ModelPool | None = None, remotes: Any = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """Build the server. Tests pass their own store, catalog, pool and remote models (models.remotes.Remotes);
-    the CLI passes nothing."""
+    the CLI passes `on_fatal`, called when a `serve --model` model cannot load (it stops the server)."""
     from localllm.compose.spec import Composer
     from localllm.models.catalog import Catalog
     from localllm.models.store import Store
@@ -193,7 +200,8 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     state = ServerState(settings=settings, store=store, catalog=catalog, composer=composer,
                         pool=pool if pool is not None else default_pool(settings, composer, loads),
                         owns_pool=pool is None, supersede=Supersede(), loads=loads, pinned_names=pinned_names,
-                        default_name=pinned_names[0] if pinned_names else None, starting=bool(pinned_names))
+                        default_name=pinned_names[0] if pinned_names else None, starting=bool(pinned_names),
+                        on_fatal=on_fatal)
     app.state.server = state
 
     @app.exception_handler(LocalLLMError)
@@ -224,18 +232,13 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
         logging.getLogger("localllm.server").exception("unhandled error on %s", request.url.path)
         return _json_error(request, 500, f"internal error ({type(exc).__name__}); see the server log")
 
-    from localllm.server import blobs, llamacpp, llamacpp_info, ollama, ollama_gen, openai, responses
+    from localllm.server.anthropic import messages
+    from localllm.server.llamacpp import completion, info
+    from localllm.server.ollama import blobs, generate, manage
+    from localllm.server.openai import chat, responses
 
-    app.include_router(ollama.router)
-    app.include_router(blobs.router)
-    app.include_router(ollama_gen.router)
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(llamacpp.router)
-    app.include_router(llamacpp_info.router)
-    from localllm.server import anthropic  # Anthropic's Messages API
-
-    app.include_router(anthropic.router)
+    for dialect in (manage, blobs, generate, chat, responses, completion, info, messages):  # one router each
+        app.include_router(dialect.router)
 
     @app.get("/")
     async def root() -> Response:

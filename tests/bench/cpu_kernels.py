@@ -26,7 +26,7 @@ TEXT = ("The history of computing is a story of abstractions layered on top of o
 
 
 def child(path: str, mode: str, threads: int, reps: int, prompt_tokens: int, decode_tokens: int) -> dict:
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
 
     greedy = GenerationParams(temperature=0)

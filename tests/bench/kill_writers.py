@@ -8,7 +8,7 @@ file in models/blobs has reached a random size), and prints the blobs folder's s
 disk usage as du counts it) after each kill, then after the next store-writing command that completes,
 then after one more kill and `localllm prune`, next to the sum of the sizes of the models listed. `--localllm-path` puts
 another checkout's `localllm` package first on the subprocesses' PYTHONPATH (e.g. `git archive HEAD
-localllm | tar -x -C /tmp/orig` to measure the code before the temp-file rule). tests/test_interrupts.py
+localllm | tar -x -C /tmp/orig` to measure the code before the temp-file rule). tests/models/test_interrupts.py
 runs the same kills (fewer of them) as assertions.
 """
 

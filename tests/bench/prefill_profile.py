@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from localllm.runtime import llama
-from localllm.runtime.engine import Engine
+from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.native import llama
 from localllm.runtime.types import GenerationParams, Request
 
 G = GenerationParams(temperature=0)

@@ -39,8 +39,8 @@ def main() -> None:
     from helpers import free_port
 
     from localllm.errors import ModelLoadError
-    from localllm.runtime import rpc
-    from localllm.runtime.engine import Engine
+    from localllm.runtime.engine.scheduler import Engine
+    from localllm.runtime.native import rpc
     from localllm.runtime.types import GenerationParams, Request
 
     rpc.require()

@@ -1,0 +1,224 @@
+"""The disk tier of the prompt cache: parked sequence states (llama_state_seq_get_data blobs) in files that
+outlive the process, so a long chat reopened after a restart or a model swap starts warm.
+
+One folder per model and KV layout (the caller's key: model digest, KV type, SWA layout, llama.cpp
+version); one file per parked history, named by a hash of its tokens. A file holds a header (magic,
+token count, the first KV position it holds, blob size, CRC-32 of the blob), the token ids, then the
+blob. Files are written to a temporary name and renamed (a crash leaves no half file); every restore
+checks the header, the tokens and the CRC, and a file that fails is deleted, never loaded. LRU by
+modification time within a byte budget; writes run on a background thread so the scheduler never
+waits for the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from localllm.runtime.cache.prefix import common_prefix, kv_holds
+
+MAGIC = b"LLMSTAT1"
+_HEAD = struct.Struct("<8sIiQI")  # magic, n_tokens, pos_min, blob bytes, crc32 of the blob
+log = logging.getLogger("localllm.cache")
+
+
+@dataclass
+class _Entry:
+    path: Path
+    pos_min: int
+    size: int  # bytes on disk
+    used: float  # last use (mtime), for the LRU
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def _name(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:40] + ".state"
+
+
+class DiskStates:
+    """Parked states on disk for one model; thread-safe (the scheduler reads, a writer thread writes)."""
+
+    def __init__(self, folder: str | Path, budget_bytes: int, min_tokens: int = 256) -> None:
+        self.dir = Path(folder)
+        self.budget, self.min_tokens = budget_bytes, min_tokens
+        self._index: dict[tuple[int, ...], _Entry] = {}
+        self._lock = threading.Lock()
+        self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._pending_bytes = 0  # queued blobs are held in memory: bounded by max_queued_bytes
+        self.max_queued_bytes = 256 << 20
+        self._idle = threading.Condition(self._lock)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="localllm-cache-writer", daemon=True)
+        self._writer.start()
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index the files already there (headers and tokens only); unreadable ones are removed."""
+        for p in self.dir.glob("*.state"):
+            try:
+                with p.open("rb") as f:
+                    magic, n, pos_min, size, _ = _HEAD.unpack(f.read(_HEAD.size))
+                    if magic != MAGIC:
+                        raise ValueError("not a state file")
+                    toks = array("i")
+                    toks.frombytes(f.read(4 * n))
+                st = p.stat()
+                if len(toks) != n or st.st_size != _HEAD.size + 4 * n + size:
+                    raise ValueError("truncated")
+                self._index[tuple(toks)] = _Entry(p, pos_min, st.st_size, st.st_mtime)
+            except (OSError, ValueError, struct.error):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        for p in self.dir.glob("*.tmp"):  # a write cut short by a crash (not one another process is making)
+            pid = p.suffixes[-2].lstrip(".") if len(p.suffixes) >= 2 else ""
+            if not pid.isdigit() or not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self._index.values())
+
+    def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
+        """(key, reusable length) of the stored state serving the longest prefix of `prompt` (as StateLRU.best)."""
+        best, n_best = None, 0
+        with self._lock:
+            items = [(k, e.pos_min) for k, e in self._index.items()]
+        for key, pos_min in items:
+            n = common_prefix(key, prompt)
+            if cap is not None:
+                n = min(n, cap)
+            if n > n_best and kv_holds(pos_min, n, n_swa):
+                best, n_best = key, n
+        return best, n_best
+
+    def load(self, key: tuple[int, ...]) -> bytes | None:
+        """The blob stored for `key`, checked; None (and the file removed) when it does not check out."""
+        with self._lock:
+            e = self._index.get(key)
+        if e is None:
+            return None
+        try:
+            with e.path.open("rb") as f:
+                magic, n, _, size, crc = _HEAD.unpack(f.read(_HEAD.size))
+                toks = array("i")
+                toks.frombytes(f.read(4 * n))
+                blob = f.read(size)
+            if magic != MAGIC or tuple(toks) != key or len(blob) != size or zlib.crc32(blob) != crc:
+                raise ValueError("the file does not match its index entry or its checksum")
+            os.utime(e.path)  # most recently used
+            e.used = e.path.stat().st_mtime
+            return blob
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("prompt cache: dropping %s (%s)", e.path.name, exc)
+            self._remove(key, e)
+            return None
+
+    def drop(self, key: tuple[int, ...]) -> None:
+        """Forget a stored state (llama.cpp refused to restore it)."""
+        self._remove(key)
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
+        """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep."""
+        if len(tokens) < self.min_tokens or len(blob) + _HEAD.size + 4 * len(tokens) > self.budget:
+            return False
+        key = tuple(tokens)
+        with self._lock:
+            if key in self._index:
+                return True
+            if self._pending_bytes + len(blob) > self.max_queued_bytes:  # the disk is behind: skip this one
+                return False
+            self._pending += 1
+            self._pending_bytes += len(blob)
+        self._todo.put((key, blob, pos_min))
+        return True
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued write is on disk."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.flush(timeout)
+        self._todo.put(None)
+        self._writer.join(timeout=1)
+
+    def clear(self) -> None:
+        self.flush()
+        for key in list(self._index):
+            self._remove(key)
+
+    def _write_loop(self) -> None:
+        while (item := self._todo.get()) is not None:
+            try:
+                self._write(*item)
+            except Exception as exc:  # noqa: BLE001 - a full disk costs the cache an entry, never a request
+                log.warning("prompt cache: could not write a state (%s)", exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._pending_bytes -= len(item[1])
+                    self._idle.notify_all()
+
+    def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:
+        path = self.dir / _name(key)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with tmp.open("wb") as f:
+            f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), zlib.crc32(blob)))
+            f.write(array("i", key).tobytes())
+            f.write(blob)
+        os.replace(tmp, path)
+        st = path.stat()
+        with self._lock:
+            # a stored history that is a prefix of this one and holds no earlier positions is redundant
+            stale = [k for k, e in self._index.items() if k != key and len(k) <= len(key) and key[:len(k)] == k
+                     and e.pos_min >= pos_min]
+            self._index[key] = _Entry(path, pos_min, st.st_size, st.st_mtime)
+        for k in stale:
+            self._remove(k)
+        with self._lock:
+            lru = sorted((e.used, k) for k, e in self._index.items() if k != key)
+            total = sum(e.size for e in self._index.values())
+        for _, k in lru:  # least recently used first, until within the budget
+            if total <= self.budget:
+                break
+            total -= self._remove(k)
+
+    def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> int:
+        """Forget `key` and delete its file (the bytes freed); with `expect`, only if the index still holds
+        that entry (the writer may have just stored a new one under the same name)."""
+        with self._lock:
+            if expect is not None and self._index.get(key) is not expect:
+                return 0
+            e = self._index.pop(key, None)
+        if e is None:
+            return 0
+        with contextlib.suppress(OSError):
+            e.path.unlink()
+        return e.size

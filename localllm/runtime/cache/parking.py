@@ -1,0 +1,136 @@
+"""Where an idle slot's history goes when the slot is needed for another prompt: parked as a sequence state
+in a RAM LRU, and in the disk tier behind it (runtime/cache/disk.py) when one is configured. Restores
+come from whichever tier serves the longest prefix; the engine says which tier served each request.
+
+Used by the engine's scheduler thread only (the disk tier's writer runs on its own thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.cache.disk import DiskStates
+from localllm.runtime.cache.prefix import StateLRU, worth_reusing
+from localllm.runtime.engine.slots import Slot
+from localllm.runtime.native.llama import Context, bindings_version
+
+
+def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
+    """The disk tier for this context, or None. `disk_cache` = (the model's folder, byte budget[, the fewest
+    tokens worth a file]); states are kept per KV layout and llama.cpp version underneath, since a blob
+    only restores into the same."""
+    if not disk_cache or disk_cache[1] <= 0:
+        return None
+    folder, budget, *rest = disk_cache
+    # a state restores only into the same cell layout: KV type, SWA layout, flash attention (it transposes
+    # V), offload, library version
+    fa = {None: "auto", True: "on", False: "off"}[ctx.flash_attn]
+    layout = (f"{ctx.kv_type}-{'full' if swa_full else 'swa'}-fa{fa}-ngl{ctx.model.n_gpu_layers}"
+              f"-llama{bindings_version()}")
+    try:
+        return DiskStates(Path(folder) / layout, budget, *rest)
+    except OSError:  # an unwritable cache folder costs the disk tier, not the model
+        return None
+
+
+class Parking:
+    """Parked histories of one context: RAM first, disk behind it."""
+
+    def __init__(self, ctx: Context, ram_bytes: int, min_tokens: int, n_swa: int,
+                 disk: DiskStates | None = None) -> None:
+        self.ctx, self.ram, self.disk = ctx, StateLRU(ram_bytes), disk
+        self.min_tokens, self.n_swa = min_tokens, n_swa
+        self.count = 0  # states parked in RAM so far
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram.budget > 0 or self.disk is not None
+
+    def park(self, slot: Slot, keep: int, ram: bool = True) -> bool:
+        """Save the part of an idle slot's history that is about to be overwritten, if worth it: in RAM,
+        and on disk (written in the background). True when RAM took it."""
+        if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
+            return False
+        try:
+            blob = self.ctx.state_seq_get(slot.id)
+        except LocalLLMError:
+            return False
+        # a sliding-window model saves only the last window of its SWA layers
+        pos_min = self.ctx.seq_pos_min(slot.id)
+        if self.n_swa > 0:
+            pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
+        if self.disk is not None:
+            self.disk.put(slot.tokens, blob, pos_min)
+        in_ram = ram and self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
+        self.count += in_ram
+        return in_ram
+
+    def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
+        """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
+        cache_idle_slots does): in a unified cache attention runs over every cell in use, so idle
+        histories slow down every other sequence's prefill and decode. A history the RAM tier cannot
+        take stays (a disk write still queued cannot serve a restore yet); one too short to park is
+        dropped: it is cheap to prefill again, and with only the running sequences in the KV cache,
+        decode sees the cells llama-server's does (its split-KV attention kernel groups cells by their
+        count, so other cells in use move the logits)."""
+        for s in slots:
+            if s is not keep and s.job is None and s.tokens and (
+                    len(s.tokens) < self.min_tokens or self.park(s, keep=0)):
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+
+    def best(self, prompt: Sequence[int], cap: int) -> tuple[str, tuple[int, ...] | None, int]:
+        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`; a
+        length not worth reusing (prefix_cache.worth_reusing) counts as none."""
+        tier, (key, n) = "ram", self.ram.best(prompt, self.n_swa, cap)
+        if self.disk is not None:
+            dkey, dn = self.disk.best(prompt, self.n_swa, cap)
+            if dn > n:
+                tier, key, n = "disk", dkey, dn
+        return (tier, key, n) if worth_reusing(n, len(prompt)) else (tier, None, 0)
+
+    def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
+        """The state to restore: removed from RAM (the slot holds it now), read and checked from disk."""
+        if tier == "ram":
+            return self.ram.take(key)
+        return self.disk.load(key) if self.disk is not None else None
+
+    def refused(self, tier: str, key: tuple[int, ...]) -> None:
+        """llama.cpp would not restore this state: never offer it again."""
+        if tier == "disk" and self.disk is not None:
+            self.disk.drop(key)
+
+    def save_all(self, slots: list[Slot], budget_s: float = 5.0) -> None:
+        """Before the context goes away (unload, shutdown): the histories worth keeping to disk, most
+        recently used first, for at most about `budget_s` (an unload holds up the pool meanwhile)."""
+        if self.disk is None:
+            return
+        t0 = time.monotonic()
+        try:
+            for s in sorted(slots, key=lambda s: -s.last_used):
+                if s.job is None and time.monotonic() - t0 < budget_s:
+                    self.park(s, keep=0, ram=False)
+        finally:
+            self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
+
+    def forget(self, slots: list[Slot], drafter: Any = None) -> None:
+        """Forget every idle slot's history (its KV cells, the drafter's copy) and every parked state."""
+        for s in slots:
+            if s.job is None:
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+                if drafter is not None:
+                    drafter.forget(s.id)
+        self.ram.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def stats(self) -> dict[str, int]:
+        out = {"parked": self.count, "parked_states": len(self.ram), "parked_bytes": self.ram.used}
+        if self.disk is not None:
+            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used)
+        return out

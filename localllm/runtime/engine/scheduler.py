@@ -1,0 +1,542 @@
+"""The engine: one model, one llama context with N sequence slots, one scheduler thread.
+
+`submit(request) -> Stream`. Validation, tokenization, context-policy planning and sampler
+construction happen in the caller's thread, so bad requests raise at once (InvalidInput,
+ContextOverflow). The scheduler thread owns the context; each step it admits waiting requests
+into free slots (longest shared prefix first), builds one batch — the next token of every
+generating slot plus chunked prefill within n_batch — decodes once, samples each slot from its
+own batch row and emits chunks. A speculating slot adds its drafts to the same batch, and the
+target's own sampler verifies them (runtime/speculative/verify.py, runtime/speculative/drafting.py)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from localllm.errors import EngineError, InvalidInput, LocalLLMError
+from localllm.runtime.api import Embeddings, ThreadSubmit
+from localllm.runtime.cache.parking import Parking, open_disk_tier
+from localllm.runtime.cache.prefix import common_prefix, kv_holds, worth_reusing
+from localllm.runtime.engine import context_shift
+from localllm.runtime.engine.prefill_split import next_end, prefill_ends
+from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
+from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
+from localllm.runtime.engine.stream import Stream
+from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
+from localllm.runtime.speculative.drafters import make_drafter
+from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
+from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
+from localllm.runtime.types import Chunk, Notice, Request, Result
+
+__all__ = ["Engine", "Stream"]
+
+_REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
+
+
+class Engine(ThreadSubmit):
+    """Serve one GGUF model to many concurrent requests (runtime/api.py ModelEngine, in this process).
+
+    n_ctx is the unified KV cache shared by all slots (a multiple of 256; one request may use all
+    of it). slots = parallel sequences. state_cache_bytes bounds the RAM LRU of parked histories
+    (0 disables it); histories shorter than min_park_tokens are not parked. disk_cache: a folder for the
+    disk tier behind it (runtime/cache/disk.py; one per model and KV layout) and its byte budget.
+    prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
+    cpu_kernels: llama.Model's.
+    """
+
+    kind: ClassVar[str] = "engine"
+    failure: LocalLLMError | None = None  # an in-process engine never "crashes": a fault ends the process
+
+    def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, slots: int = 4, n_batch: int = 512,
+                 n_ubatch: int | None = None, threads: int | None = None, n_gpu_layers: int = 0,
+                 kv_type: str = "f16", flash_attn: bool | None = None, use_mmap: bool = True,
+                 swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
+                 spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
+                 disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
+                 rpc: list[str] | None = None) -> None:
+        if slots < 1:
+            raise InvalidInput(f"slots must be >= 1, got {slots}")
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
+        self._embedder: Any = None  # runtime/native/embed.py Embedder, made by the first embed()
+        self._embed_lock = threading.Lock()
+        n_batch = max(n_batch, slots)
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
+                           n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
+                           swa_full=swa_full)
+        self.n_ctx = self.ctx.n_ctx_seq  # the most one sequence may hold
+        self.n_batch = n_batch
+        self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
+        self.slots = [Slot(i) for i in range(slots)]
+        self._batch = Batch(n_batch, 1)
+        self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
+        self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
+        self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
+                               open_disk_tier(disk_cache, self.ctx, swa_full))
+        # jobs, control calls run on the scheduler thread, or None (a wake-up)
+        self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
+        self._waiting: deque[Job] = deque()
+        self._stop = False
+        self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
+                          "restored": 0, "copied_prefix": 0,
+                          "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0, "drafted": 0, "draft_accepted": 0}
+        self.spec = spec or SpecConfig()
+        self._drafter = None
+        try:  # _cost: measured decode ms by batch rows, how long drafts may be
+            self._drafter, self._cost = make_drafter(self.spec, self.ctx, self._batch, slots=slots, threads=threads,
+                                                     target_name=name)
+        except BaseException:
+            self._close_native()
+            raise
+        self._draft_pause = False  # skip drafting for one step after drafts overflowed the KV cache
+        self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
+        self._thread.start()
+        # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
+        # can crash the process); a weak reference, so an unclosed engine can still be collected
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.close())
+
+    # ---- public API ------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.model.detokenize(tokens)
+
+    def submit(self, request: Request) -> Stream:
+        """Queue a request. Raises InvalidInput / ContextOverflow before anything runs."""
+        if self._stop:
+            raise EngineError("the engine is closed")
+        validate(request)
+        prompt = (self.tokenize(request.prompt, add_special=request.add_special,
+                                parse_special=request.parse_special)
+                  if isinstance(request.prompt, str) else [int(t) for t in request.prompt])
+        if not prompt:
+            raise InvalidInput("prompt is empty after tokenization")
+        bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx)
+        n_keep = 1 if request.n_keep == 0 and prompt[0] == self.model.bos else request.n_keep  # keep BOS
+        n_keep = context_shift.effective_keep(n_keep, len(prompt), self.n_ctx)
+        spec = SpecState.for_request(self.spec, request) if self._drafter else None
+        chain = build_chain(self.model, request.params, grammar_for(request))
+        state = StreamState()
+        job = Job(request, prompt, state, chain, n_keep, notices=notices,
+                  stop=StopMatcher(request.stop) if request.stop else None, spec=spec)
+        job.timings.prompt_tokens = len(prompt)
+        self._inbox.put(job)
+        return Stream(state, request.id, self._wake, list(prompt))
+
+    def generate(self, request: Request) -> Result:
+        return self.submit(request).result()
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for tests and /metrics (read without a lock: approximate while busy)."""
+        slots = [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
+                 for s in self.slots]
+        return {"slots": slots, "waiting": len(self._waiting) + self._inbox.qsize(), "n_ctx": self.n_ctx,
+                "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
+                "speculative": self._drafter.name if self._drafter else None}
+
+    def reset_cache(self, timeout: float = 30.0) -> None:
+        """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
+        self._control(lambda: self._parked.forget(self.slots, self._drafter), timeout)
+
+    def _control(self, call: Callable[[], None], timeout: float) -> None:
+        """Run `call` on the scheduler thread (which owns the context) between steps; its error is raised here."""
+        done, failed = threading.Event(), []
+
+        def run() -> None:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread, below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._inbox.put(run)
+        if not done.wait(timeout):
+            raise EngineError(f"the engine did not answer in {timeout:.0f} s", "it may be stuck; restart it")
+        if failed:
+            raise failed[0]
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        """Mean-pooled, normalized embeddings from a second context on this model (made on first use)."""
+        from localllm.runtime.native.embed import Embedder
+
+        with self._embed_lock:
+            if self._stop:
+                raise EngineError("the engine is closed")
+            if self._embedder is None:
+                self._embedder = Embedder(self.model, threads=self.ctx.n_threads)
+            embedder = self._embedder
+        return embedder.embed(texts)
+
+    def status(self) -> dict[str, Any] | None:
+        return None  # no process or upstream of its own to report
+
+    def waiting(self) -> int:
+        """Requests not yet admitted to a slot."""
+        return len(self._waiting) + self._inbox.qsize()
+
+    def idle(self) -> bool:
+        return all(s.job is None for s in self.slots) and not self._waiting and self._inbox.empty()
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        try:
+            if not self._thread.is_alive():  # the context is free: keep what the slots hold on disk
+                self._parked.save_all(self.slots)
+        finally:
+            self._close_native()
+
+    def _close_native(self) -> None:
+        with self._embed_lock:
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
+        self._batch.close()
+        if self._drafter is not None:
+            self._drafter.close()
+        self.ctx.close()
+        self.model.close()
+
+    def __enter__(self) -> Engine:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        self._inbox.put(None)
+
+    # ---- scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            busy = bool(self._waiting) or any(s.job for s in self.slots)
+            try:
+                item = self._inbox.get() if not busy else self._inbox.get_nowait()
+                while True:
+                    if isinstance(item, Job):
+                        self._waiting.append(item)
+                    elif item is not None:
+                        item()  # a control call (Engine._control: it hands its own error to its caller)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if self._stop:
+                break
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug or a failed decode: fail the active jobs, keep serving
+                for s in self.slots:
+                    if s.job is not None:
+                        self._fail(s, exc)
+            self._kv_pos = [self.ctx.seq_pos_max(s.id) for s in self.slots]
+        for s in self.slots:
+            if s.job is not None:
+                self._finish(s, "cancelled")
+        try:  # jobs submitted while closing
+            while True:
+                item = self._inbox.get_nowait()
+                if isinstance(item, Job):
+                    self._waiting.append(item)
+        except queue.Empty:
+            pass
+        while self._waiting:
+            self._end_waiting(self._waiting.popleft(), "cancelled", EngineError("the engine was closed"))
+
+    def _step(self) -> None:
+        now = time.perf_counter()
+        for s in self.slots:
+            if s.job is not None and s.job.stream.cancelled.is_set():
+                self._finish(s, "cancelled")
+        for job in [j for j in self._waiting if j.stream.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._end_waiting(job, "cancelled")
+        while self._waiting and any(s.job is None for s in self.slots):
+            job = self._waiting.popleft()
+            try:
+                self._admit(job, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._end_waiting(job, "error", exc)
+        for s in self.slots:
+            if s.job is not None and s.job.next_tokens:
+                try:
+                    self._make_room(s)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                    self._fail(s, exc)
+        self._decode_step()
+
+    def _end_waiting(self, job: Job, reason: str, exc: Exception | None = None) -> None:
+        job.chain.close()
+        t = job.timings
+        t.queue_ms = (time.perf_counter() - job.t_submit) * 1000
+        job.stream.put(Chunk(finish_reason=reason, usage=job.usage(), timings=t, error=exc))  # type: ignore[arg-type]
+
+    def _admit(self, job: Job, now: float) -> None:
+        """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any.
+        A prefix counts only where the KV memory still holds what follows it needs (kv_holds)."""
+        prompt = job.prompt
+        cap = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
+        free = [s for s in self.slots if s.job is None]
+        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap), -s.last_used))
+        n = self._reusable(dst, prompt, cap)
+        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap), default=None)
+        n_src = self._reusable(src, prompt, cap) if src is not None else 0
+        tier, key, n_park = self._parked.best(prompt, cap)
+        used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
+        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= n + _REUSE_MIN
+        # taken before parking dst can evict it; None from disk: the file failed its check (removed)
+        blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
+        if gain and (copy or blob is not None):
+            self._parked.park(dst, keep=0)
+            self.ctx.seq_rm(dst.id)
+            dst.tokens = []
+            if copy:
+                self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
+                dst.tokens = src.tokens[:n_src]
+                self._counters["copied_prefix"] += 1
+                used = "kv"
+            else:
+                try:
+                    self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
+                    dst.tokens = list(key)  # type: ignore[arg-type]
+                    self._counters["restored"] += 1
+                    used = tier
+                except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
+                    self.ctx.seq_rm(dst.id)
+                    self._parked.refused(tier, key)  # type: ignore[arg-type]
+            n = self._reusable(dst, prompt, cap)
+        else:
+            self._parked.park(dst, keep=n)
+        self._parked.clear_idle(self.slots, dst)
+        if n < len(dst.tokens):
+            if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
+                self.ctx.seq_rm(dst.id)
+                n = 0
+            dst.tokens = dst.tokens[:n]
+        job.timings.cache_tier = used if n else ""
+        self._counters["hits_" + used] += n > 0
+        job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
+        job.pending = prompt[n:]
+        cut = self._cut_ubatch and job.request.prefill_cuts
+        job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
+        job.t_admit = now
+        job.timings.queue_ms = (now - job.t_submit) * 1000
+        job.timings.cached_tokens = n
+        dst.job = job
+        for notice in job.notices:
+            job.stream.put(Chunk(notice=notice))
+
+    def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
+        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
+        n = min(common_prefix(s.tokens, prompt), cap)
+        ok = worth_reusing(n, len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa)
+        return n if ok else 0
+
+    def _make_room(self, s: Slot) -> None:
+        """Before a generating slot outgrows the context: stop (error policy) or shift."""
+        job = s.job
+        assert job is not None
+        if len(s.tokens) + len(job.next_tokens) <= self.n_ctx:
+            return
+        policy = job.request.context_policy
+        if policy == "error" or not self.ctx.can_shift:
+            why = ("the context is full" if policy == "error"
+                   else "the context is full and this model's KV cache cannot be shifted")
+            job.stream.put(Chunk(notice=Notice("context_full", 0, f"{why} ({self.n_ctx} tokens)")))
+            self._finish(s, "length")
+            return
+        self._shift(s, f"context full ({self.n_ctx} tokens)")
+
+    def _shift(self, s: Slot, why: str) -> None:
+        """Drop the oldest half of a slot's history after its first n_keep tokens (seq_rm + seq_add)."""
+        job = s.job
+        assert job is not None
+        k = job.n_keep
+        others = [t for t in self.slots if t is not s]
+        d, cut = context_shift.plan_shared_shift(s.tokens, k, [(t.tokens, t.job is not None) for t in others])
+        for t in (others[i] for i in cut):  # idle sharers of the cells beyond n_keep give up their tail
+            if self.ctx.seq_rm(t.id, k, -1):
+                t.tokens = t.tokens[:k]
+            else:
+                self.ctx.seq_rm(t.id)
+                t.tokens = []
+        if not self.ctx.seq_rm(s.id, k, k + d):
+            raise EngineError("the KV cache refused to drop tokens for a context shift")
+        self.ctx.seq_add(s.id, k + d, -1, -d)
+        s.tokens = s.tokens[:k] + s.tokens[k + d:]
+        self._counters["shifts"] += 1
+        if self._drafter is not None:
+            self._drafter.shift(s.id, k, d)
+        job.stream.put(Chunk(notice=Notice("context_shift", d, f"{why}: dropped {d} tokens after the first {k}")))
+
+    def _decode_step(self) -> None:
+        if self._drafter is not None and not self._draft_pause:
+            collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx, self._cost)
+        self._draft_pause = False
+        batch = self._batch
+        batch.clear()
+        rows: list[tuple[Slot, list[int], list[int], int]] = []  # slot, logits rows, drafts, n_tokens before
+        undo: list[tuple[Slot, int, list[int], list[int]]] = []  # slot, n_tokens before, next, pending
+        # the next token of every generating slot, and its drafts: each row gets logits
+        for s in self.slots:
+            job = s.job
+            if job is None or not job.next_tokens:
+                continue
+            n0 = len(s.tokens)
+            undo.append((s, n0, job.next_tokens, job.pending))
+            slot_rows = []
+            for tok in job.next_tokens + job.drafts:
+                slot_rows.append(batch.add(tok, len(s.tokens), s.id, True))
+                s.tokens.append(tok)
+            rows.append((s, slot_rows, job.drafts, n0))
+            job.next_tokens, job.drafts = [], []
+        n_gen = batch.n_tokens
+        # chunked prefill of pending prompts within what is left of n_batch; while streams generate, at
+        # most prefill_chunk per step, so that their next token does not wait for a whole batch of prompt
+        room = min(batch.free, self.prefill_chunk) if n_gen else batch.free
+        for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
+            job = s.job
+            if room <= 0:
+                break
+            end = next_end(job.ends, len(s.tokens))
+            take = job.pending[:min(room, end - len(s.tokens)) if end else room]
+            room -= len(take)
+            undo.append((s, len(s.tokens), [], job.pending))
+            last = len(take) == len(job.pending)
+            for i, tok in enumerate(take):
+                row = batch.add(tok, len(s.tokens), s.id, last and i == len(take) - 1)
+                s.tokens.append(tok)
+            job.pending = job.pending[len(take):]
+            self._counters["prefill_tokens"] += len(take)
+            if last:
+                rows.append((s, [row], [], len(s.tokens) - 1))
+        if batch.n_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.ctx.decode(batch)
+            if self._drafter is not None and n_gen == batch.n_tokens:  # rows with logits only: a cost sample
+                self._cost.observe(n_gen, (time.perf_counter() - t0) * 1000)
+        except NoKVSlot:
+            self._counters["kv_full"] += 1
+            for s, n0, nxt, pend in undo:  # roll back: the batch never happened
+                self.ctx.seq_rm(s.id, n0, -1)
+                s.tokens = s.tokens[:n0]
+                s.job.next_tokens, s.job.pending = nxt, pend
+            if any(drafts for _, _, drafts, _ in rows):
+                self._draft_pause = True  # retry without drafts before taking room from anyone
+            else:
+                self._free_kv()
+            return
+        self._counters["steps"] += 1
+        for s, slot_rows, drafts, n0 in rows:
+            job = s.job
+            try:
+                out = verify(lambda r, job=job: job.sample(self.ctx, r), slot_rows, drafts)
+                if drafts:
+                    settle_drafts(self.ctx, s, n0, drafts, len(out) - 1, self._counters)
+                for tok in out:
+                    self._on_token(s, tok)
+                    if s.job is not job:
+                        break
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(s, exc)
+
+    def _free_kv(self) -> None:
+        """KV cache full: drop idle histories first, else shift or stop the biggest request."""
+        idle = [s for s in self.slots if s.job is None and s.tokens]
+        if idle:
+            for s in idle:
+                self._parked.park(s, keep=0)
+                self.ctx.seq_rm(s.id)
+                s.tokens = []
+            return
+        active = [s for s in self.slots if s.job]
+        used = sum(len(s.tokens) for s in active)
+        why = f"KV cache full ({len(active)} requests share {self.ctx.n_ctx} cells)"
+        generating = [s for s in active if not s.job.pending]
+        shiftable = [s for s in generating if s.job.request.context_policy != "error" and self.ctx.can_shift
+                     and len(s.tokens) > s.job.n_keep + 1]
+        if shiftable:  # the biggest request that allows it makes room by a context shift
+            self._shift(max(shiftable, key=lambda s: len(s.tokens)), why)
+        elif generating:  # stop the biggest generating request, as if its own context were full
+            victim = max(generating, key=lambda s: len(s.tokens))
+            victim.job.stream.put(Chunk(notice=Notice("context_full", 0, why)))
+            self._finish(victim, "length")
+        else:
+            self._fail(max(active, key=lambda s: len(s.tokens)), EngineError(
+                f"KV cache full: {len(active)} prompts need more than {self.ctx.n_ctx} cells together ({used} "
+                "filled so far)", "raise --ctx or lower --slots"))
+
+    def _on_token(self, s: Slot, tok: int) -> None:
+        job = s.job
+        assert job is not None
+        now = time.perf_counter()
+        if not job.t_first:
+            job.t_first = now
+            job.timings.prompt_ms = (now - job.t_admit) * 1000
+        req = job.request
+        if self.model.is_eog(tok) and not req.ignore_eos:
+            self._finish(s, "stop")
+            return
+        job.out_tokens.append(tok)
+        self._counters["decoded_tokens"] += 1
+        text = job.decoder.decode(self.model.token_to_piece(tok))
+        hit = False
+        if job.stop is not None:
+            text, hit = job.stop.feed(text)
+        if hit:
+            self._finish(s, "stop", text=text, tokens=[tok])
+        elif req.max_tokens is not None and len(job.out_tokens) >= req.max_tokens:
+            self._finish(s, "length", text=text, tokens=[tok])
+        else:
+            job.next_tokens = [tok]
+            job.stream.put(job.chunk(text, [tok]))
+
+    def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
+                error: Exception | None = None) -> None:
+        job = s.job
+        assert job is not None
+        now = time.perf_counter()
+        if reason in ("stop", "length") and error is None:
+            tail = job.decoder.decode(b"", final=True)
+            if job.stop is not None:
+                t2, hit = job.stop.feed(tail)
+                tail = t2 if hit else t2 + job.stop.flush()
+            text += tail
+        t = job.timings
+        t.n_decoded = len(job.out_tokens)
+        if job.t_first:
+            t.decode_ms = (now - job.t_first) * 1000
+        elif job.t_admit:
+            t.prompt_ms = (now - job.t_admit) * 1000
+        job.chain.close()
+        s.job = None
+        s.last_used = now
+        job.stream.put(job.chunk(text, tokens or [], finish_reason=reason,  # probs, stop_word: runtime.engine.slots
+                                 usage=job.usage(), timings=t, error=error))
+
+    def _fail(self, s: Slot, exc: Exception) -> None:
+        """One request failed: tell its stream, drop its sequence, keep serving the others."""
+        if s.job is None:
+            return
+        self.ctx.seq_rm(s.id)
+        s.tokens = []
+        err = exc if isinstance(exc, LocalLLMError) else EngineError(f"generation failed: {exc!r}")
+        self._finish(s, "error", error=err)

@@ -1,0 +1,157 @@
+"""Per-sequence state: what a slot holds in the KV cache and what its current request needs."""
+
+from __future__ import annotations
+
+import codecs
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from localllm.runtime.engine import probs as token_probs
+from localllm.runtime.native.llama import Context, SamplerChain
+from localllm.runtime.speculative.verify import SpecState
+from localllm.runtime.types import Chunk, Notice, Request, Timings, TokenProbs, Usage
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries; holds back text that may begin a stop string."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.matched: str | None = None  # the stop string that was hit (llama-server's stopping_word)
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hit = -1
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0 and (hit < 0 or i < hit):
+                hit, self.matched = i, s  # the earliest match wins; at one position, the first listed
+        if hit >= 0:
+            out, self.buf = self.buf[:hit], ""
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(self.buf)), hold, -1):
+                if self.buf.endswith(s[:k]):
+                    hold = k
+                    break
+        out = self.buf[: len(self.buf) - hold]
+        self.buf = self.buf[len(self.buf) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class StreamState:
+    """The engine's side of a Stream: the chunk queue and the cancel flag."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.done = False
+        self.slot: int | None = None  # set by the scheduler when it admits the request, before any chunk
+        self._sink: Callable[[Chunk], None] | None = None
+        self._lock = threading.Lock()
+
+    def put(self, chunk: Chunk) -> None:
+        with self._lock:
+            if chunk.finish_reason is not None:
+                self.done = True
+            if self._sink is not None:
+                self._sink(chunk)
+                return
+            self.queue.put(chunk)
+            if chunk.finish_reason is not None:
+                self.queue.put(None)  # end of stream
+
+    def forward(self, sink: Callable[[Chunk], None]) -> None:
+        """From now on hand each chunk to `sink` on the producer's thread, after the ones already queued
+        (a runner's child sends them on at once: no consumer thread, no extra hop)."""
+        with self._lock:
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    sink(item)
+            self._sink = sink
+
+
+@dataclass
+class Job:
+    """A request while it waits or runs."""
+
+    request: Request
+    prompt: list[int]
+    stream: StreamState
+    chain: SamplerChain
+    n_keep: int
+    t_submit: float = field(default_factory=time.perf_counter)
+    notices: list[Notice] = field(default_factory=list)  # emitted before the first token
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
+    ends: list[int] = field(default_factory=list)  # prompt positions where a prefill batch must end
+    next_tokens: list[int] = field(default_factory=list)  # sampled, to be decoded next step
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after next_tokens, this step only
+    spec: SpecState | None = None  # draft length control; None when this request does not speculate
+    out_tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    stop: StopMatcher | None = None
+    timings: Timings = field(default_factory=Timings)
+    probs: list[TokenProbs] = field(default_factory=list)  # sampled, not yet sent (n_probs only), in order
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.out_tokens),
+                     cached_tokens=self.cached)
+
+    def sample(self, ctx: Context, row: int) -> int:
+        """The next token from batch row `row`; with n_probs, its probabilities are kept for its chunk."""
+        req = self.request
+        if req.n_probs is None:
+            return self.chain.sample(ctx, row)
+        tok, entry = token_probs.sample(self.chain, ctx, row, req.n_probs, req.post_sampling_probs,
+                                        req.params.temperature <= 0)
+        self.probs.append(entry)
+        return tok
+
+    def chunk(self, text: str, tokens: list[int], **kw: Any) -> Chunk:
+        """A chunk carrying `tokens`: with their probabilities (each sampled token is sent once, in order)
+        and, on the last chunk, the stop string that ended the generation."""
+        probs = None
+        if self.request.n_probs is not None and tokens:
+            probs, self.probs = self.probs[:len(tokens)], self.probs[len(tokens):]
+        word = self.stop.matched if self.stop is not None and kw.get("finish_reason") == "stop" else None
+        return Chunk(text=text, tokens=tokens, probs=probs, stop_word=word, **kw)
+
+
+SlotState = Literal["idle", "prefill", "generate"]
+
+
+@dataclass
+class Slot:
+    """One llama sequence id. `tokens` mirrors the KV cache of that sequence: position i holds tokens[i]."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    job: Job | None = None
+    last_used: float = 0.0
+
+    @property
+    def state(self) -> SlotState:
+        if self.job is None:
+            return "idle"
+        return "prefill" if self.job.pending else "generate"

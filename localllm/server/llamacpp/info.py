@@ -1,0 +1,149 @@
+"""llama.cpp server dialect, the server's state: /health (/v1/health), /props, /slots, /metrics.
+
+Shapes follow llama-server; where localllm differs (several models on one port: `?model=` picks one
+for /slots; a crashed runner's slots say `"state": "crashed"`) docs/server.md "Differences from llama-server"
+says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from localllm.compose.requests import params_from
+from localllm.server.core.lifecycle import held
+from localllm.server.core.state import ServerState, server_state
+from localllm.server.llamacpp.completion import generation_settings
+
+router = APIRouter()
+
+
+@router.get("/health")
+@router.get("/v1/health")
+async def health(request: Request) -> Response:
+    """llama-server's answer while `serve --model` loads at start: 503 "Loading model"
+    (unavailable_error); later, 503 {"status": "loading model"} while the pool loads a model; else 200 ok."""
+    state = server_state(request)
+    if state.starting:
+        return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+                            status_code=503)
+    if state.loads.loading:
+        return JSONResponse({"status": "loading model"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+def _engines(state: ServerState, *, local: bool = False) -> list[tuple[dict[str, Any], Any]]:
+    """(pool entry, engine) for each loaded model (`local`: not the remote ones, which have no slots or
+    template here), read without holding them; the server's default model (`serve --model`) last, so
+    /props and /slots show it as llama-server shows its one model."""
+    pool = state.pool
+    loaded = dict(pool.engines())
+    out = [(m, loaded.get(m["name"])) for m in pool.loaded()
+           if loaded.get(m["name"]) is not None and not (local and m.get("remote"))]
+    return sorted(out, key=lambda pair: pair[0]["name"] == state.default_name)  # stable: load order otherwise
+
+
+@router.get("/props")
+async def props(request: Request) -> dict[str, Any]:
+    """llama-server's /props for the model loaded most recently (model_path is its name, never a file path)."""
+    state = server_state(request)
+    engines = _engines(state, local=True)
+    m, engine = engines[-1] if engines else ({"name": "", "context_length": None}, None)
+    n_ctx = engine.n_ctx if engine is not None else 0
+    slots = len((await run_in_threadpool(engine.stats))["slots"]) if engine is not None else state.settings.slots
+    template = ""
+    if engine is not None:
+        async with held(state, m["name"]) as lease:  # held: the format reads the model's special tokens
+            fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
+            template = fmt.template or ""
+    defaults = state.composer.defaults()  # the server's --temp / --seed / --n-predict
+    params = generation_settings(params_from(defaults.sampling), n_ctx, stream=True, n_predict=defaults.max_tokens or -1)
+    params.pop("n_ctx"), params.pop("model")
+    return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
+            "total_slots": slots, "model_alias": m["name"], "model_path": m["name"],  # never a file path
+            "chat_template": template, "build_info": f"localllm {_version()}",
+            "modalities": {"vision": False, "video": False, "audio": False}, "is_sleeping": False}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("localllm")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+        return "dev"
+
+
+@router.get("/slots")
+async def slots(request: Request) -> list[dict[str, Any]]:
+    engines = _engines(server_state(request), local=True)
+    want = request.query_params.get("model")  # several models on one port: ?model= picks one
+    engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
+    if not engines:
+        return []
+    m, engine = engines[-1]
+    st = await run_in_threadpool(engine.stats)  # a runner's stats are a round trip: off the event loop
+    # a crashed runner's slots say so ("state": "crashed"), and are not processing
+    return [{"id": s["id"], "n_ctx": st["n_ctx"], "is_processing": s["state"] not in ("idle", "crashed"),
+             "state": s["state"], "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    totals = {"prompt_tokens_total": 0, "tokens_predicted_total": 0, "requests_processing": 0,
+              "requests_deferred": 0, "kv_cache_tokens": 0, "n_decode_total": 0, "n_drafted_total": 0,
+              "n_drafted_accepted_total": 0}
+    cells = 0
+    hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
+    remote_rows = []  # (name, the remote engine's upstream and latency)
+    for m, engine in _engines(server_state(request)):
+        st = await run_in_threadpool(engine.stats)
+        if st.get("remote"):
+            remote_rows.append((m["name"], st["remote"]))
+        for tier in hits:
+            hits[tier] += st.get(f"hits_{tier}", 0)
+        totals["prompt_tokens_total"] += st.get("prefill_tokens", 0)
+        totals["tokens_predicted_total"] += st.get("decoded_tokens", 0)
+        totals["requests_processing"] += sum(1 for s in st["slots"] if s["state"] != "idle")
+        totals["requests_deferred"] += st.get("waiting", 0)
+        totals["kv_cache_tokens"] += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"])
+        totals["n_decode_total"] += st.get("steps", 0)
+        totals["n_drafted_total"] += st.get("drafted", 0)
+        totals["n_drafted_accepted_total"] += st.get("draft_accepted", 0)
+        cells += st.get("n_ctx", 0)
+    kinds = {k: ("counter" if k.endswith("_total") else "gauge") for k in totals}
+    lines = []
+    for key, value in totals.items():
+        lines += [f"# HELP llamacpp:{key} {key.replace('_', ' ')}", f"# TYPE llamacpp:{key} {kinds[key]}",
+                  f"llamacpp:{key} {value}"]
+    lines += ["# HELP localllm:prompt_cache_hits_total requests whose prompt prefix came from the cache, by tier",
+              "# TYPE localllm:prompt_cache_hits_total counter"]
+    lines += [f'localllm:prompt_cache_hits_total{{tier="{t}"}} {n}' for t, n in hits.items()]
+    lines += remote_metrics(remote_rows)
+    ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
+    lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
+              "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def remote_metrics(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per remote model (its name, its stats()["remote"]): requests, failures, and time to first token
+    through localllm (median of the latest requests, and the last one), labelled with model and upstream."""
+    if not rows:
+        return []
+    out = []
+    for key, kind, what in (("requests", "counter", "requests sent to a remote model's upstream"),
+                            ("errors", "counter", "requests its upstream failed"),
+                            ("ttft_ms_p50", "gauge", "median time to first token through localllm, ms"),
+                            ("ttft_ms_last", "gauge", "the last request's time to first token, ms")):
+        metric = f"localllm:remote_{key}" + ("_total" if kind == "counter" else "")
+        out += [f"# HELP {metric} {what}", f"# TYPE {metric} {kind}"]
+        for name, st in rows:
+            value = st.get(key)
+            url = str(st.get("url", "")).replace('"', "%22")
+            out.append(f'{metric}{{model="{name}",upstream="{url}"}} {0 if value is None else value}')
+    return out
+

@@ -1,0 +1,275 @@
+"""Chat templates (built-in and untrusted GGUF ones), context-shift helpers and FIM prompts."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from localllm.compose.templates import (
+    BUILTIN_STOPS,
+    BUILTIN_TEMPLATES,
+    builtin_template,
+    fim_prompt,
+    render_chat,
+    render_chat_parts,
+    truncate_history,
+)
+from localllm.errors import InvalidInput
+
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Why?"},
+]
+
+# Shaped like Qwen2.5's template: whitespace control, namespace-free loops, tools branch, tojson.
+QWEN_LIKE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" and not message.tool_calls %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def test_chatml_exact() -> None:
+    assert render_chat(builtin_template("chatml"), CONVO) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_gemma_exact_system_joins_first_user_turn() -> None:
+    assert render_chat(builtin_template("gemma"), CONVO, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_plain_transcript_and_lone_prompt() -> None:
+    assert render_chat(builtin_template("plain"), CONVO) == (
+        "Be brief.\n\nUser: Hi\n\nAssistant: Hello!\n\nUser: Why?\n\nAssistant:"
+    )
+    # A base model continues a lone prompt as a document.
+    assert render_chat(builtin_template("plain"), [{"role": "user", "content": "Once upon a time"}]) == \
+        "Once upon a time"
+    assert BUILTIN_STOPS["plain"] == ("\nUser:",)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+def test_every_builtin_renders_every_turn_in_order(name: str) -> None:
+    out = render_chat(builtin_template(name), CONVO, bos_token="<s>", eos_token="</s>")
+    positions = [out.index(m["content"]) for m in CONVO]
+    assert positions == sorted(positions)
+    no_prompt = render_chat(builtin_template(name), CONVO, add_generation_prompt=False)
+    assert len(no_prompt) <= len(out)
+
+
+def test_llama3_phi3_mistral_shapes() -> None:
+    assert render_chat(builtin_template("llama3"), CONVO[:2]) == (
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render_chat(builtin_template("phi3"), CONVO[1:2]) == "<|user|>\nHi<|end|>\n<|assistant|>\n"
+    assert render_chat(builtin_template("mistral"), CONVO, bos_token="<s>", eos_token="</s>") == (
+        "<s>[INST] Be brief.\n\nHi[/INST] Hello!</s>[INST] Why?[/INST]"
+    )
+
+
+def test_content_parts_are_flattened_by_builtins() -> None:
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"},
+                                         {"type": "text", "text": "b"}]}]
+    assert render_chat(builtin_template("chatml"), msgs, add_generation_prompt=False) == \
+        "<|im_start|>user\nab<|im_end|>\n"
+
+
+def test_unknown_builtin_is_clear() -> None:
+    with pytest.raises(InvalidInput, match="unknown chat template 'nope'.*") as exc:
+        builtin_template("nope")
+    assert "chatml" in str(exc.value)
+
+
+def test_real_world_template_renders() -> None:
+    out = render_chat(QWEN_LIKE, CONVO)
+    assert out.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    assert out.endswith("<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter <°C>"}}]
+    with_tools = render_chat(QWEN_LIKE, CONVO[1:], tools=tools)
+    assert '"description": "Wetter <°C>"' in with_tools  # HF tojson: no ASCII or HTML escaping
+    assert "You are Qwen" in with_tools
+
+
+def test_hf_globals_raise_exception_and_strftime() -> None:
+    tpl = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}" \
+          "{% endif %}{{ strftime_now('%Y') }}{% for m in messages %}{% if loop.first %}{% continue %}" \
+          "{% endif %}{{ m.content }}{% break %}{% endfor %}"
+    assert render_chat(tpl, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == \
+        time.strftime("%Y") + "b"
+    with pytest.raises(InvalidInput, match="Conversation must start with user"):
+        render_chat(tpl, CONVO)
+
+
+@pytest.mark.parametrize("evil", [
+    "{{ ''.__class__.__mro__ }}",
+    "{{ ''.__class__ }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-localllm') }}",
+    "{{ self._TemplateReference__context }}",
+    "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "{% set x = messages.append({'role': 'user'}) %}x",
+    "{{ (0).__class__.__base__ }}",
+])
+def test_attribute_escapes_are_refused(evil: str, tmp_path) -> None:
+    with pytest.raises(InvalidInput, match="unsafe"):
+        render_chat(evil, CONVO)
+
+
+def test_escape_does_not_execute(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    with pytest.raises(InvalidInput):
+        render_chat("{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}", CONVO)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("huge", [
+    "{% for i in range(10**9) %}x{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+    # Caught only by the line tracer, which stands aside when a debugger or coverage tracer is active.
+    pytest.param("{% for c in messages[0].content %}{% for d in messages[0].content %}{% endfor %}{% endfor %}x",
+                 marks=pytest.mark.skipif(sys.gettrace() is not None, reason="another tracer is active")),
+    "{{ 'x' * 10**9 }}",
+    "{{ ((10**1000)**1000)**1000 }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+])
+def test_runaway_templates_are_refused_quickly(huge: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(InvalidInput, match="chat template"):
+        render_chat(huge, [{"role": "user", "content": "y" * 50_000}])
+    assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("broken", ["{% if %}", "{% for m in messages %}", "", "   "])
+def test_broken_templates_name_the_problem(broken: str) -> None:
+    with pytest.raises(InvalidInput, match="chat template"):
+        render_chat(broken, CONVO)
+
+
+def test_template_type_errors_become_invalid_input() -> None:
+    with pytest.raises(InvalidInput, match="failed"):
+        render_chat("{{ messages[0].content + 1 }}", CONVO)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+def test_system_prefix_is_a_prefix_holding_the_system_text(name: str) -> None:
+    parts = render_chat_parts(builtin_template(name), CONVO, bos_token="<s>")
+    assert parts.text == render_chat(builtin_template(name), CONVO, bos_token="<s>")
+    assert parts.text.startswith(parts.system_prefix)
+    assert "Be brief." in parts.system_prefix
+    assert "Hi" not in parts.system_prefix
+
+
+def test_system_prefix_exact_for_chatml_and_gemma() -> None:
+    assert render_chat_parts(builtin_template("chatml"), CONVO).system_prefix == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    assert render_chat_parts(builtin_template("gemma"), CONVO, bos_token="<bos>").system_prefix == \
+        "<bos><start_of_turn>user\nBe brief.\n\n"
+    assert render_chat_parts(QWEN_LIKE, CONVO).system_prefix.endswith("Be brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def _chat(n_pairs: int) -> list[dict]:
+    msgs = [{"role": "system", "content": "SYS"}]
+    for i in range(n_pairs):
+        msgs += [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    return msgs + [{"role": "user", "content": "last"}]
+
+
+def test_truncate_history_drops_oldest_pairs_keeps_system() -> None:
+    msgs = _chat(5)
+    kept, dropped = truncate_history(msgs, lambda m: len(m) <= 6)
+    assert dropped == 6  # three user+assistant pairs
+    assert [m["content"] for m in kept] == ["SYS", "u3", "a3", "u4", "a4", "last"]
+
+
+def test_truncate_history_noop_and_floor() -> None:
+    msgs = _chat(2)
+    assert truncate_history(msgs, lambda m: True) == (msgs, 0)
+    kept, dropped = truncate_history(msgs, lambda m: False)  # nothing fits: keep system + last turn
+    assert [m["content"] for m in kept] == ["SYS", "last"] and dropped == 4
+
+
+def test_truncate_history_keeps_tool_messages_with_their_turn() -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u0"},
+            {"role": "assistant", "content": "call"}, {"role": "tool", "content": "result"},
+            {"role": "assistant", "content": "a0"}, {"role": "user", "content": "u1"}]
+    kept, dropped = truncate_history(msgs, lambda m: len(m) <= 3)
+    assert [m["content"] for m in kept] == ["S", "u1"] and dropped == 4
+
+
+QWEN_FIM = {"prefix": "<|fim_prefix|>", "suffix": "<|fim_suffix|>", "middle": "<|fim_middle|>",
+            "repo": "<|repo_name|>", "sep": "<|file_sep|>"}
+
+
+def test_fim_with_repo_tokens() -> None:
+    out = fim_prompt("def f():\n    ", "\n", tokens=QWEN_FIM, extra=[("util.py", "X = 1\n"), ("b.py", "Y")],
+                     repo_name="proj", filename="main.py", middle_prefix="return")
+    assert out == ("<|repo_name|>proj\n<|file_sep|>util.py\nX = 1\n<|file_sep|>b.py\nY<|file_sep|>main.py\n"
+                   "<|fim_prefix|>def f():\n    <|fim_suffix|>\n<|fim_middle|>return")
+
+
+def test_fim_defaults_follow_llama_cpp() -> None:
+    out = fim_prompt("a", "b", tokens=QWEN_FIM)
+    assert out == "<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>"
+
+
+def test_fim_without_repo_tokens() -> None:
+    toks = {"prefix": "<PRE>", "suffix": "<SUF>", "middle": "<MID>"}
+    out = fim_prompt("a", "b", tokens=toks, extra=[("x.py", "ctx1"), ("y.py", "ctx2")], repo_name="ignored")
+    assert out == "\n\n--- snippet ---\n\nctx1\n\n--- snippet ---\n\nctx2<PRE>a<SUF>b<MID>"
+    assert fim_prompt("a", "b", tokens=toks) == "<PRE>a<SUF>b<MID>"
+    assert fim_prompt("a", "b", tokens=toks, spm=True) == "<SUF>b<PRE>a<MID>"
+
+
+def test_fim_without_tokens_is_clear() -> None:
+    with pytest.raises(InvalidInput, match="fill-in-the-middle"):
+        fim_prompt("a", "b", tokens={})
+
+
+def test_non_dict_messages_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="role and content"):
+        render_chat(builtin_template("chatml"), ["hello"])  # type: ignore[list-item]

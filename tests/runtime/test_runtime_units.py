@@ -1,0 +1,91 @@
+"""Pure logic of the runtime: prefix matching, the parked-state LRU, shift planning, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from localllm.errors import InvalidInput
+from localllm.runtime.cache.prefix import StateLRU, common_prefix, kv_holds
+from localllm.runtime.engine.context_shift import effective_keep, fit_prompt, plan_shared_shift, plan_shift
+from localllm.runtime.engine.sampling import validate
+from localllm.runtime.types import GenerationParams, Request, Timings
+
+
+def test_common_prefix_blocks_and_tail() -> None:
+    a = list(range(1000))
+    assert common_prefix(a, a) == 1000
+    assert common_prefix(a, a[:130] + [-1] + a[131:]) == 130
+    assert common_prefix([], a) == 0
+
+
+def test_state_lru_budget_and_redundant_prefixes() -> None:
+    lru = StateLRU(100)
+    assert lru.put([1, 2, 3], b"x" * 40)
+    assert lru.put([9, 9], b"y" * 40)
+    assert lru.put([1, 2, 3, 4], b"z" * 30)  # [1, 2, 3] is a prefix of it: dropped
+    assert len(lru) == 2 and lru.used == 70
+    assert lru.best([1, 2, 3, 4, 5]) == ((1, 2, 3, 4), 4)
+    assert lru.put([5], b"w" * 50)  # over budget: the oldest ([9, 9]) goes
+    assert lru.best([9, 9])[1] == 0 and lru.used == 80
+    assert lru.take((1, 2, 3, 4)) == b"z" * 30 and lru.used == 50
+    assert not lru.put([6], b"v" * 101)
+
+
+def test_kv_holds_what_the_next_token_attends_to() -> None:
+    # no sliding window: whatever the memory holds serves (a recurrent memory's pos_min is its last position)
+    assert kv_holds(0, 500, 0) and kv_holds(499, 500, 0) and not kv_holds(-1, 1, 0)
+    assert kv_holds(-1, 0, 0)  # nothing reused, nothing needed
+    # a 512-token sliding window: reusing n tokens needs positions from n - 511 on
+    assert kv_holds(0, 1, 512) and not kv_holds(1, 1, 512)  # BOS alone, overwritten: issue 12's bug
+    assert kv_holds(489, 1000, 512) and not kv_holds(490, 1000, 512)
+    assert not kv_holds(-1, 700, 512)
+
+
+def test_state_lru_reuses_only_what_a_saved_window_holds() -> None:
+    lru = StateLRU(1000)
+    long = list(range(1000))
+    assert lru.put(long, b"s" * 100, pos_min=488)  # a sliding-window state saves only its last window
+    assert lru.best(long[:700] + [-1], n_swa=512) == (None, 0)  # would need positions from 189 on
+    assert lru.best(long[:999] + [-1], n_swa=512) == (tuple(long), 999)
+    assert lru.best(long + [-1], n_swa=512, cap=999) == (tuple(long), 999)
+    # a shorter history that still holds its start is not redundant beside the windowed one
+    assert lru.put(long[:300], b"t" * 50, pos_min=0) and len(lru) == 2
+    assert lru.best(long[:280] + [-1], n_swa=512) == (tuple(long[:300]), 280)
+    assert lru.put(long + [5], b"u" * 100, pos_min=600) and len(lru) == 3  # holds less than the first
+
+
+def test_shift_of_shared_cells() -> None:
+    mine = list(range(100))
+    others = [(mine[:60], False), (mine[:40] + [-1], True), ([7, 8], False), (mine[:5], False)]
+    d, cut = plan_shared_shift(mine, 10, others)
+    assert cut == [0] and d == 45  # half of the 90 after n_keep, and at least the 30 shared with the active one
+    assert plan_shared_shift(mine, 10, [(mine, True)]) == (90, [])
+
+
+def test_shift_planning() -> None:
+    assert plan_shift(256, 10) == 123
+    assert plan_shift(12, 10) == 1
+    assert effective_keep(-1, 100, 256) == 100
+    assert effective_keep(500, 300, 256) == 128
+    fit = fit_prompt(list(range(300)), 256, 5, reserve=64)
+    assert len(fit.tokens) == 192 and fit.tokens[:5] == [0, 1, 2, 3, 4] and fit.tokens[-1] == 299
+    assert fit.n_dropped == 108
+    assert fit_prompt(list(range(10)), 256, 5, 64).n_dropped == 0
+
+
+def test_validation_names_every_problem() -> None:
+    with pytest.raises(InvalidInput) as ei:
+        validate(Request("", GenerationParams(temperature=-1, top_p=1.5, presence_penalty=3), max_tokens=0))
+    msg = str(ei.value)
+    for word in ("prompt is empty", "temperature", "top_p", "presence_penalty", "max_tokens"):
+        assert word in msg
+    r = Request("x", stop="END")  # type: ignore[arg-type]
+    validate(r)
+    assert r.stop == ["END"]
+
+
+def test_timings_rates() -> None:
+    t = Timings(queue_ms=5, prompt_ms=100, decode_ms=1000, prompt_tokens=120, cached_tokens=20, n_decoded=11)
+    assert t.ttft_ms == 105
+    assert t.prompt_per_s == pytest.approx(1000.0)
+    assert t.decode_per_s == pytest.approx(10.0)

@@ -1,0 +1,150 @@
+"""Scheduling for editors and mixed load: a stale editor completion is cancelled by the next keystroke's
+(server/core/supersede.py), and a long prompt is prefilled in small chunks while other streams generate."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import TINY, Server, assert_like_reference
+
+from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.types import GenerationParams, Request
+from localllm.server.core.supersede import Supersede
+
+GREEDY = GenerationParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def http(srv: Server) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, timeout=60)
+
+
+def _first_event_then_rest(http: httpx.Client, body: dict[str, Any], started: threading.Event,
+                           out: list[dict[str, Any]]) -> None:
+    with http.stream("POST", "/completion", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+                started.set()
+
+
+def _run_stale_then_new(http: httpx.Client, first: dict[str, Any], second: dict[str, Any],
+                        path: str = "/completion") -> tuple[dict[str, Any], dict[str, Any]]:
+    started, events = threading.Event(), []
+    t = threading.Thread(target=_first_event_then_rest, args=(http, first, started, events))
+    t.start()
+    assert started.wait(30)  # the first request is generating
+    new = http.post(path, json=second).json()
+    t.join(60)
+    return events[-1], new
+
+
+def test_a_completion_extending_an_unfinished_one_cancels_it(http: httpx.Client) -> None:
+    base = {"n_predict": 900, "temperature": 0, "ignore_eos": True, "model": TINY, "id_slot": 0}
+    stale, new = _run_stale_then_new(http, base | {"prompt": "def main():\n    x"},
+                                     base | {"prompt": "def main():\n    x = 1", "n_predict": 8})
+    assert stale["stop"] is True and stale["stop_type"] == "none" and stale["tokens_predicted"] < 900
+    assert new["stop_type"] == "limit" and new["tokens_predicted"] == 8
+    # deleting a character is an edit of the same buffer too
+    stale, new = _run_stale_then_new(http, base | {"prompt": "def main():\n    x = 12"},
+                                     base | {"prompt": "def main():\n    x = 1", "n_predict": 8})
+    assert stale["stop_type"] == "none" and new["tokens_predicted"] == 8
+
+
+def test_other_slots_other_text_and_identical_prompts_are_left_alone(http: httpx.Client) -> None:
+    base = {"n_predict": 300, "temperature": 0, "ignore_eos": True, "model": TINY}
+    for first, second in (({"prompt": "abc", "id_slot": 0}, {"prompt": "abcd", "id_slot": 1}),  # another editor
+                          ({"prompt": "abc"}, {"prompt": "xyz"}),  # not an edit of the same text
+                          ({"prompt": "abc"}, {"prompt": "abc"})):  # several samples of one prompt
+        stale, new = _run_stale_then_new(http, base | first, base | second | {"n_predict": 4})
+        assert stale["stop_type"] == "limit" and stale["tokens_predicted"] == 300, (first, second)
+        assert new["tokens_predicted"] == 4
+
+
+def test_infill_superseded_by_the_next_keystroke_at_the_same_place(http: httpx.Client) -> None:
+    base = {"n_predict": 900, "temperature": 0, "ignore_eos": True, "model": TINY, "id_slot": 0,
+            "input_suffix": "\n    return x\n"}
+    started, events = threading.Event(), []
+
+    def stale() -> None:
+        with http.stream("POST", "/infill", json=base | {"input_prefix": "def f():\n    x", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    started.set()
+
+    t = threading.Thread(target=stale)
+    t.start()
+    assert started.wait(30)
+    new = http.post("/infill", json=base | {"input_prefix": "def f():\n    x =", "n_predict": 5}).json()
+    t.join(60)
+    assert events[-1]["stop_type"] == "none" and new["tokens_predicted"] == 5
+
+
+def test_supersede_registry_releases_what_finished() -> None:
+    class S:
+        cancelled = 0
+
+        def cancel(self) -> None:
+            self.cancelled += 1
+
+    sup, a, b, c = Supersede(), S(), S(), S()
+    sup.claim(("h", "m", 0), "", a)  # an empty text supersedes nothing and is never superseded
+    assert not sup._live
+    key = ("127.0.0.1", "m", 0)
+    sup.claim(key, "ab", a)
+    sup.release(key, a)
+    sup.claim(key, "abc", b)  # a finished before: nothing to cancel
+    assert a.cancelled == 0
+    sup.claim(key, "abcd", c)
+    assert b.cancelled == 1 and sup.superseded == 1
+    sup.release(key, c)
+    assert not sup._live
+
+
+# ---- prefill against decode ---------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [64, 512])
+def test_long_prompt_is_prefilled_in_chunks_while_others_generate(tiny_path: Path, chunk: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one stream generating, no step carries more than prefill_chunk prompt tokens beside its token
+    (the batch sizes llama_decode sees); the long prompt's answer is the one a fresh context gives."""
+    from localllm.runtime.native import llama
+
+    sizes: list[int] = []
+    real = llama.Context.decode
+
+    def record(self: llama.Context, batch: llama.Batch) -> None:
+        sizes.append(batch.n_tokens)
+        real(self, batch)
+
+    with Engine(tiny_path, n_ctx=2048, slots=2, threads=2, n_batch=512, prefill_chunk=chunk,
+                state_cache_bytes=0) as e:
+        long = [1 + (i * 7) % 200 for i in range(600)]
+        bg = e.submit(Request(e.tokenize("hello"), GREEDY, max_tokens=1000, ignore_eos=True))
+        it = iter(bg)
+        next(it)
+        monkeypatch.setattr(llama.Context, "decode", record)
+        r = e.generate(Request(long, GREEDY, max_tokens=4, ignore_eos=True))
+        monkeypatch.setattr(llama.Context, "decode", real)
+        still = any(s["state"] != "idle" for s in e.stats()["slots"])  # the stream generated throughout
+        bg.cancel()
+        list(it)
+    assert still and sum(sizes) >= 600
+    if chunk == 64:
+        assert max(sizes) <= 1 + 64  # the stream's token and at most 64 of the prompt, every step
+    else:
+        assert max(sizes) >= 1 + 400  # without a cap the prompt takes what n_batch leaves
+    # its prompt ran in other batches beside the stream: the reference's answer up to near-ties
+    assert_like_reference(tiny_path, long, r.tokens, n=4, ignore_eos=True, n_ctx=2048)
+
+
+def test_alone_a_long_prompt_fills_the_whole_batch(tiny_path: Path) -> None:
+    with Engine(tiny_path, n_ctx=2048, slots=2, threads=2, n_batch=512, prefill_chunk=64,
+                state_cache_bytes=0) as e:
+        e.generate(Request([1 + (i * 7) % 200 for i in range(600)], GREEDY, max_tokens=1))
+        assert e.stats()["steps"] == 2  # 512 + 88: nothing else was generating
