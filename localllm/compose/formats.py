@@ -41,6 +41,8 @@ class ChatFormat:
         the assistant's generation prompt, then its text follows)."""
         if self.template is None:
             return templates.ChatParts("\n\n".join(str(m.get("content") or "") for m in messages), "")
+        messages = templates.adapt_messages(self.template, messages)
+        extra = templates.template_context(self.template, extra)
         if len(messages) > 1 and messages[-1].get("role") == "assistant":
             if messages[-2].get("role") == "assistant":
                 raise InvalidInput("Cannot have 2 or more assistant messages at the end of the list",

@@ -84,6 +84,29 @@ class Defaults:
     max_tokens: int | None = None  # None / -1: until the model stops
 
 
+@dataclass(frozen=True)
+class _Rendering:
+    """How one chat request renders: the tools offered (None: none), the tool choice, whether a call is
+    forced, reasoning on/off and its budget."""
+
+    fmt: ChatFormat
+    tools: list[Any] | None
+    choice: str | dict[str, Any]
+    forced: bool
+    think: bool | None
+    budget: int | None
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[str, ReplyFormat, str]:
+        """(the prompt text, how its reply is written, the system prefix)."""
+        extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        if self.think is not None:
+            extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
+        parts = self.fmt.render(messages, **extra)
+        text, fmt = reply_plan(parts.text, self.fmt.template, think=self.think, budget=self.budget,
+                               tools=bool(self.tools))
+        return text, fmt, parts.system_prefix
+
+
 class RequestBuilder:
     """Requests for one loaded model. `model` needs tokenize(text, add_special=, parse_special=) and n_ctx
     (an Engine, or anything that answers for one); `defaults` fill the options a request leaves unset."""
@@ -98,39 +121,43 @@ class RequestBuilder:
         truncate_history policy drops the oldest turns until the prompt fits."""
         return self._chat(messages, options, tools=tools, policy=policy, truncatable=True)
 
-    def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
-              truncatable: bool) -> Plan:
+    def render_chat(self, messages: list[dict[str, Any]], options: Options, *,
+                    tools: list[Any] | None = None) -> str:
+        """The prompt text a chat request renders to, exactly as chat() sends it (llama.cpp's
+        /apply-template)."""
+        return self._rendered(messages, options, tools).render(self._messages(messages))[0]
+
+    def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not messages:
             raise InvalidInput("messages must not be empty")
-        messages = template_messages(messages)
+        return template_messages(messages)
+
+    def _rendered(self, messages: list[dict[str, Any]], options: Options, tools: list[Any] | None) -> _Rendering:
         think, budget = thinking(options.think, options.reasoning_budget)
         choice = tool_choice(options.tool_choice, tools)
         tools = tools if tools and choice != "none" else None
         forced = bool(tools) and choice not in ("auto", "none")
         if forced:  # the grammar writes the call at once: no reasoning before it
             think, budget = False, None
-        extra: dict[str, Any] = {"tools": tools} if tools else {}
-        if think is not None:
-            extra["enable_thinking"] = think  # Qwen3's templates (and others) read it
+        return _Rendering(self.fmt, tools, choice, forced, think, budget)
 
-        def render(msgs: list[dict[str, Any]]) -> tuple[str, ReplyFormat, str]:
-            parts = self.fmt.render(msgs, **extra)
-            text, fmt = reply_plan(parts.text, self.fmt.template, think=think, budget=budget, tools=bool(tools))
-            return text, fmt, parts.system_prefix
-
-        text, fmt, system_prefix = render(messages)
+    def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
+              truncatable: bool) -> Plan:
+        messages = self._messages(messages)
+        how = self._rendered(messages, options, tools)
+        text, fmt, system_prefix = how.render(messages)
         prompt = self._tokens(text)
         notices: list[Notice] = []
         wire_policy = context_policy(options.context_policy, policy)
         if wire_policy == "truncate_history" and truncatable:
-            prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: render(msgs)[0])
+            prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: how.render(msgs)[0])
         n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
         req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
-        if forced:
-            assert tools is not None
+        if how.forced:
+            assert how.tools is not None
             if req.grammar is not None or req.json_schema is not None:
                 raise InvalidInput("tool_choice required or named cannot be combined with a grammar or format")
-            req.grammar = call_grammar(tools, choice, fmt.tools or "json")
+            req.grammar = call_grammar(how.tools, how.choice, fmt.tools or "json")
         close = self._close_tokens(fmt.think[1]) if fmt.think is not None and fmt.budget is not None else []
         return Plan(req, reply=fmt, notices=notices, close_reasoning=close)
 

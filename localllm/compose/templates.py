@@ -261,6 +261,58 @@ def _deadline_tracer(deadline: float) -> Callable[..., Any]:
 
 
 @dataclass(frozen=True)
+class TemplateCaps:
+    """What a chat template does with what it is given, found by rendering probes (as llama.cpp's
+    common/jinja/caps.cpp and its template analysis find them)."""
+
+    system_role: bool  # it renders a system message (Gemma 2's raises, others drop it)
+    thinking: bool  # enable_thinking changes what it renders (llama-server then turns it on by default)
+
+
+_PROBE_SYSTEM, _PROBE_USER = "\u2063system-probe\u2063", "\u2063user-probe\u2063"
+
+
+@lru_cache(maxsize=64)
+def template_caps(template: str) -> TemplateCaps:
+    def probe(messages: list[dict[str, Any]], **extra: Any) -> str | None:
+        try:
+            return render_chat(template, messages, **extra)
+        except InvalidInput:
+            return None
+
+    with_system = probe([{"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": _PROBE_USER}])
+    user = [{"role": "user", "content": "test"}]
+    on, off = probe(user, enable_thinking=True), probe(user, enable_thinking=False)
+    return TemplateCaps(system_role=with_system is not None and _PROBE_SYSTEM in with_system,
+                        thinking=on is not None and off is not None and on != off)
+
+
+def adapt_messages(template: str, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as llama-server hands them to this template: a `developer` message is a system one (but for
+    gpt-oss's harmony templates, which know the role), and a template without a system role gets the system
+    prompt at the head of the first user message (joined by a newline)."""
+    out = [dict(m) for m in messages]
+    if "<|channel|>" not in template:
+        for m in out:
+            if m.get("role") == "developer":
+                m["role"] = "system"
+    if out and out[0].get("role") == "system" and not template_caps(template).system_role:
+        system = out.pop(0)
+        if out:
+            out[0]["content"] = _text(system.get("content")) + "\n" + _text(out[0].get("content"))
+    return out
+
+
+def template_context(template: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The variables llama-server gives every template besides the messages: today's date (Llama 3.1's
+    "Today Date"), and enable_thinking on where the template reasons (the request's own values win)."""
+    now = datetime.now()
+    base = {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"),
+            "enable_thinking": template_caps(template).thinking}
+    return {**base, **extra}
+
+
+@dataclass(frozen=True)
 class ChatParts:
     text: str  # the whole rendered prompt
     system_prefix: str  # a prefix of `text`: everything before the first non-system message's content

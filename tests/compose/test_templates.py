@@ -273,3 +273,56 @@ def test_fim_without_tokens_is_clear() -> None:
 def test_non_dict_messages_are_refused() -> None:
     with pytest.raises(InvalidInput, match="role and content"):
         render_chat(builtin_template("chatml"), ["hello"])  # type: ignore[list-item]
+
+
+# ---- rendered as llama-server renders them (issue 29: tests/bench/template_parity.py measures it) ----------
+GEMMA2_LIKE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+               "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+LLAMA31_DATE = ('{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}'
+                "Today Date: {{ date_string }}\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+              "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+TOOLS_LIKE = ("{% for m in messages %}{{ m['role'] }}:{% for c in m.get('tool_calls') or [] %}"
+              "{% for k, v in c.function.arguments|items %}[{{ k }}={{ v }}]{% endfor %}{% endfor %}"
+              "{{ m['content'] }}\n{% endfor %}")
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_first_user_turn() -> None:
+    """Gemma 2's template refuses a system message; llama-server folds it into the first user message (a 400
+    here before)."""
+    from localllm.compose.formats import ChatFormat
+
+    fmt = ChatFormat(GEMMA2_LIKE, "gguf")
+    text = fmt.render_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<start_of_turn>user\nBe brief.\nHi<end_of_turn>\n<start_of_turn>model\n"
+    developer = fmt.render_text([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert developer == text  # OpenAI's developer role is a system message
+
+
+def test_templates_get_todays_date_and_thinking_where_they_reason() -> None:
+    from datetime import datetime
+
+    from localllm.compose.formats import ChatFormat
+
+    dated = ChatFormat(LLAMA31_DATE, "gguf").render_text([{"role": "user", "content": "Hi"}])
+    assert dated.startswith(f"Today Date: {datetime.now().strftime('%d %b %Y')}\n")  # not the template's 26 Jul 2024
+    thinker = ChatFormat(QWEN3_LIKE, "gguf")
+    assert thinker.render_text([{"role": "user", "content": "Hi"}]).endswith("<|im_start|>assistant\n")  # on
+    assert thinker.render_text([{"role": "user", "content": "Hi"}], enable_thinking=False).endswith("</think>\n\n")
+
+
+def test_apply_template_renders_the_whole_chat_request_as_chat_does(tiny_path) -> None:
+    """/apply-template goes through the builder: a tool call's arguments reach the template as an object (a
+    template's `arguments|items` failed on the JSON string, a 400, before)."""
+    from localllm.compose.formats import ChatFormat
+    from localllm.compose.requests import Options, RequestBuilder
+    from localllm.runtime.engine.scheduler import Engine
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}}
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "thanks"}]
+    with Engine(tiny_path, n_ctx=256, slots=1, threads=1) as e:
+        text = RequestBuilder(ChatFormat(TOOLS_LIKE, "gguf"), e).render_chat(msgs, Options())
+    assert "assistant:[city=Paris]" in text

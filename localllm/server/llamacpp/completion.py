@@ -108,8 +108,16 @@ class EmbeddingBody(Body):
 
 
 class TemplateBody(Body):
+    """llama-server's /apply-template takes a whole chat request; these are the fields that shape the prompt."""
+
     model: str | None = None
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    think: Any = None
+    reasoning_effort: str | None = None
+    reasoning_budget: int | None = None
 
 
 def extra_chunks(value: Any) -> list[tuple[str, str]]:
@@ -395,6 +403,12 @@ async def embedding(body: EmbeddingBody, request: Request) -> Response:
 async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]:
     """The chat prompt the model's template makes of these messages, without generating."""
     state = server_state(request)
+    kwargs = body.chat_template_kwargs or {}
+    think = kwargs.get("enable_thinking", body.think if body.think is not None else body.reasoning_effort)
+    options = Options(think=think, reasoning_budget=body.reasoning_budget, tool_choice=body.tool_choice)
     async with held(state, default_model(state, body.model)) as lease:
-        fmt = await run_in_threadpool(state.composer.chat_format, lease.name, lease.engine)
-        return {"prompt": (await run_in_threadpool(fmt.render, body.messages)).text}
+        builder = state.composer.builder(lease.name, lease.engine)
+        if not isinstance(builder, RequestBuilder):
+            raise InvalidInput(f"{lease.name} is a remote model: its template lives on the upstream")
+        # the whole chat request, rendered as /v1/chat/completions renders it (tools, thinking, tool choice)
+        return {"prompt": await run_in_threadpool(builder.render_chat, body.messages, options, tools=body.tools)}
