@@ -16,6 +16,7 @@ import json
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from jinja2 import TemplateError, nodes
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from localllm.errors import InvalidInput
@@ -105,6 +106,20 @@ class _TemplateTimeout(Exception):
     pass
 
 
+class _GenerationTag(Extension):
+    """HF's `{% generation %}…{% endgeneration %}` (it marks the assistant's tokens for training masks; Laguna's
+    templates use it): the body renders as it is, as in transformers and llama.cpp."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension API
+
+    def parse(self, parser: Any) -> Any:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+MAX_LIST_GROWTH = 100_000  # items a template may append to one list (Kimi K2's templates build lists)
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """HF's environment (trim_blocks, lstrip_blocks, loop controls) with hard limits.
 
@@ -116,13 +131,19 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**"})
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
         self._local = threading.local()
 
     def _tick(self) -> None:
         deadline = getattr(self._local, "deadline", None)
         if deadline is not None and time.monotonic() > deadline:
             raise _TemplateTimeout
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        # lists may grow (llama.cpp's engine allows it, and templates build lists), bounded in call()
+        if isinstance(obj, list) and attr in ("append", "extend"):
+            return True
+        return bool(super().is_safe_attribute(obj, attr, value))
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # The stock sandbox returns an Undefined that prints as "" — refuse loudly instead.
@@ -138,6 +159,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         self._tick()
+        if isinstance(obj, types.BuiltinMethodType) and isinstance(obj.__self__, list) \
+                and len(obj.__self__) >= MAX_LIST_GROWTH:
+            raise SecurityError(f"a list grew past {MAX_LIST_GROWTH} items")
         return super().call(context, obj, *args, **kwargs)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:

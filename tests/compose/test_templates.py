@@ -151,12 +151,22 @@ def test_hf_globals_raise_exception_and_strftime() -> None:
     "{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-localllm') }}",
     "{{ self._TemplateReference__context }}",
     "{{ lipsum.__globals__['os'].popen('id').read() }}",
-    "{% set x = messages.append({'role': 'user'}) %}x",
+    "{% set x = messages.pop() %}x",  # other mutations stay refused
     "{{ (0).__class__.__base__ }}",
 ])
 def test_attribute_escapes_are_refused(evil: str, tmp_path) -> None:
     with pytest.raises(InvalidInput, match="unsafe"):
         render_chat(evil, CONVO)
+
+
+def test_lists_may_grow_within_a_bound() -> None:
+    """Templates build lists (Kimi K2's append to them), as llama.cpp's engine lets them; the caller's messages
+    are not touched (the template works on a copy), and no list grows without bound."""
+    convo = [dict(m) for m in CONVO]
+    assert render_chat("{% set x = messages.append({'role': 'user'}) %}{{ messages|length }}", convo) == str(len(CONVO) + 1)
+    assert convo == CONVO
+    with pytest.raises(InvalidInput, match="grew past"):
+        render_chat("{% set a = [] %}{% for i in range(60000) %}{{ a.extend([i, i]) or '' }}{% endfor %}", CONVO)
 
 
 def test_escape_does_not_execute(tmp_path) -> None:
