@@ -329,10 +329,13 @@ def adapt_messages(template: str, messages: Sequence[dict[str, Any]]) -> list[di
 
 def template_context(template: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The variables llama-server gives every template besides the messages: today's date (Llama 3.1's
-    "Today Date"), and enable_thinking on where the template reasons (the request's own values win)."""
+    "Today Date"), enable_thinking on where the template reasons, and earlier turns' reasoning kept
+    (its default preserve_reasoning, under each name templates read: GLM's clear_thinking, …). The
+    request's own values win."""
     now = datetime.now()
     base = {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"),
-            "enable_thinking": template_caps(template).thinking}
+            "enable_thinking": template_caps(template).thinking, "preserve_thinking": True,
+            "clear_thinking": False, "truncate_history_thinking": False, "drop_thinking": False}
     return {**base, **extra}
 
 

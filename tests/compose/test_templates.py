@@ -336,3 +336,17 @@ def test_apply_template_renders_the_whole_chat_request_as_chat_does(tiny_path) -
     with Engine(tiny_path, n_ctx=256, slots=1, threads=1) as e:
         text = RequestBuilder(ChatFormat(TOOLS_LIKE, "gguf"), e).render_chat(msgs, Options())
     assert "assistant:[city=Paris]" in text
+
+
+def test_earlier_reasoning_is_kept_as_llama_server_keeps_it() -> None:
+    """llama-server renders with preserve_reasoning on (clear_thinking false, …): GLM 4.7's template then
+    writes an earlier turn's reasoning_content back (it was dropped here)."""
+    from localllm.compose.formats import ChatFormat
+
+    glm_like = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+                "{% if clear_thinking is defined and not clear_thinking and m.reasoning_content %}"
+                "<think>{{ m.reasoning_content }}</think>{% else %}</think>{% endif %}{% endif %}{{ m['content'] }}"
+                "{% endfor %}")
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Easy."},
+            {"role": "user", "content": "3+3?"}]
+    assert "<|assistant|><think>Easy.</think>4." in ChatFormat(glm_like, "gguf").render_text(msgs)
