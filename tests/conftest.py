@@ -85,14 +85,15 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server over the tiny model plus tests/scriptmodel.py's THINKER and CALLER (real GGUFs whose greedy
-    replies are known: reasoning then an answer, reasoning then a tool call), one per test module."""
+    """A server over the tiny model plus tests/scriptmodel.py's THINKER, CALLER and CODER (real GGUFs whose
+    greedy replies are known: reasoning then an answer, reasoning then a tool call, a Qwen3-Coder XML call),
+    one per test module."""
     from helpers import install, serving
-    from scriptmodel import CALLER, THINKER, make_script_gguf
+    from scriptmodel import CALLER, CODER, THINKER, make_script_gguf
 
     root = tmp_path_factory.mktemp("script")
     with serving(root) as info:
-        for name, script in (("thinker", THINKER), ("caller", CALLER)):
+        for name, script in (("thinker", THINKER), ("caller", CALLER), ("coder", CODER)):
             install(info.app.state.server.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
         yield info
 

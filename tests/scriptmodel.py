@@ -35,6 +35,9 @@ GAP = "\n\n"  # after </think>: the answer starts here (thinking off starts here
 THINKER = [HEAD, "<think>", "Let", " me", " think", " it", " over.", "</think>", GAP, "The answer", " is 42."]
 CALLER = [HEAD, "<think>", "I need the weather.", "</think>", GAP, "<tool_call>",
           '\n{"name": "get_weather", "arguments": {"city": "', "Par", 'is", "unit": "C"}', "}\n", "</tool_call>"]
+# Qwen3-Coder's call syntax inside the same <tool_call> block: XML parameters, typed by the tool's schema
+CODER = [HEAD, "<tool_call>", "\n<function=get_weather>\n", "<parameter=city>\n", "Par", "is\n</parameter>\n",
+         "<parameter=unit>\nC\n</parameter>\n", "</function>\n", "</tool_call>"]
 THINKER_REPLY = ("Let me think it over.", "The answer is 42.")
 CALLER_CALL = ("get_weather", '{"city": "Paris", "unit": "C"}')
 WEATHER_TOOL = {"type": "function", "function": {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.compose.reply import ReplyFormat, think_markers, tool_syntax
+from localllm.compose.reply import ReplyFormat, param_types, think_markers, tool_syntax
 from localllm.errors import InvalidInput
 
 # reasoning_effort / think levels → a reasoning budget in tokens (None: unlimited)
@@ -67,14 +67,15 @@ def tool_name(tool: Any) -> str | None:
 
 
 def reply_plan(text: str, template: str | None, *, think: bool | None, budget: int | None,
-               tools: bool) -> tuple[str, ReplyFormat]:
+               tools: bool | list[Any]) -> tuple[str, ReplyFormat]:
     """The prompt text to send and how its reply will be written. With think False on a reasoning
     model the reasoning is closed in the prompt (an empty block, as Qwen3's template writes for
     enable_thinking=false), so the model answers at once."""
     markers = think_markers(template)
     syntax = tool_syntax(template) if tools else None
+    types = param_types(tools) if isinstance(tools, list) else ()
     if markers is None:
-        return text, ReplyFormat(tools=syntax)
+        return text, ReplyFormat(tools=syntax, param_types=types)
     open_, close = markers
     tail = text.rstrip()
     in_reasoning = tail.endswith(open_)
@@ -84,4 +85,5 @@ def reply_plan(text: str, template: str | None, *, think: bool | None, budget: i
         elif not tail.endswith(close):
             text += open_ + "\n\n" + close + "\n\n"
         budget = None
-    return text, ReplyFormat(think=markers, in_reasoning=in_reasoning, tools=syntax, budget=budget)
+    return text, ReplyFormat(think=markers, in_reasoning=in_reasoning, tools=syntax, budget=budget,
+                             param_types=types)

@@ -103,7 +103,7 @@ class _Rendering:
             extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
         parts = self.fmt.render(messages, **extra)
         text, fmt = reply_plan(parts.text, self.fmt.template, think=self.think, budget=self.budget,
-                               tools=bool(self.tools))
+                               tools=self.tools or False)
         return text, fmt, parts.system_prefix
 
 

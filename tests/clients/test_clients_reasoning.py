@@ -261,6 +261,28 @@ def test_ollama_think_and_tools(script_srv: Server) -> None:
         assert "".join(x.message.thinking or "" for x in lines) == "I need the weather."
 
 
+def test_qwen3_coder_xml_calls_through_every_door(oai: openai.OpenAI, script_srv: Server) -> None:
+    """Qwen3-Coder writes `<function=…><parameter=…>` inside `<tool_call>` (issue 29: read as text before):
+    OpenAI whole and streamed, Ollama and Anthropic all get the call, its values typed by the tool's schema."""
+    import anthropic
+
+    want = ("get_weather", {"city": "Paris", "unit": "C"})
+    r = oai.chat.completions.create(model="coder", messages=USER, tools=[WEATHER_TOOL])  # type: ignore[arg-type,list-item]
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert (call.function.name, json.loads(call.function.arguments)) == want  # type: ignore[union-attr]
+    _, content, calls, reason = _stream(oai, model="coder", messages=USER, tools=[WEATHER_TOOL])
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [want]
+    o = ollama.Client(host=script_srv.url).chat(model="coder", messages=USER, tools=[WEATHER_TOOL])
+    assert [(c.function.name, c.function.arguments) for c in o.message.tool_calls or []] == [want]
+    a = anthropic.Anthropic(base_url=script_srv.url, api_key="x", max_retries=0).messages.create(
+        model="coder", max_tokens=64, messages=USER,  # type: ignore[arg-type]
+        tools=[{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}])  # type: ignore[index]
+    uses = [b for b in a.content if b.type == "tool_use"]
+    assert a.stop_reason == "tool_use" and [(u.name, u.input) for u in uses] == [want]
+
+
 def test_script_model_is_what_it_says(tmp_path: Path) -> None:
     """The fixture itself: /completion on the raw prompt gives the script, special tokens and all."""
     from localllm.runtime.native.llama import Model
