@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from localllm.compose.xml_calls import xml_call
+
 THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 HERMES = ("<tool_call>", "</tool_call>")
 MISTRAL = "[TOOL_CALLS]"
@@ -48,20 +50,6 @@ class ReplyFormat:
     # (tool, parameter, JSON schema type) of the tools offered: a call written as XML parameters
     # (Qwen3-Coder's `<function=…><parameter=…>`) has its values typed by them
     param_types: tuple[tuple[str, str, str], ...] = ()
-
-
-def param_types(tools: list[Any] | None) -> tuple[tuple[str, str, str], ...]:
-    """(tool, parameter, JSON schema type) for every typed parameter of OpenAI-style tools."""
-    out = []
-    for t in tools or []:
-        fn = t.get("function") if isinstance(t, dict) else None
-        fn = fn if isinstance(fn, dict) else t if isinstance(t, dict) else {}
-        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
-        for key, spec in (props or {}).items():
-            kind = spec.get("type") if isinstance(spec, dict) else None
-            if isinstance(fn.get("name"), str) and isinstance(kind, str):
-                out.append((fn["name"], str(key), kind))
-    return tuple(out)
 
 
 def think_markers(template: str | None) -> tuple[str, str] | None:
@@ -423,7 +411,7 @@ class ReplyParser:
         try:
             parsed = _call_from(json.loads(body))
         except ValueError:
-            parsed = _xml_call(body, self.fmt.param_types) if self._closer else None
+            parsed = xml_call(body, self.fmt.param_types) if self._closer else None
         if parsed is None:  # not a call after all: it is text, written as it was
             self.mode, self._list = "content", False
             text = HERMES[0] + body + (self._closer if self._closer in b else "") if self._closer else body
@@ -437,32 +425,6 @@ class ReplyParser:
             self.mode = "content"
         self._lead = True
         return out
-
-
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-
-def _xml_call(body: str, types: tuple[tuple[str, str, str], ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a call written as Qwen3-Coder writes it inside `<tool_call>`:
-    `<function=NAME>` then `<parameter=KEY>VALUE</parameter>` lines. A value is text unless the tool's schema
-    types the parameter otherwise (a number, a boolean, an object…), as Qwen's own parser reads it."""
-    m = _FUNCTION.match(body)
-    if m is None:
-        return None
-    name = m.group(1).strip()
-    kinds = {param: kind for tool, param, kind in types if tool == name}
-    args: dict[str, Any] = {}
-    for key, value in _PARAMETER.findall(m.group(2)):
-        key, kind = key.strip(), kinds.get(key.strip(), "string")
-        if kind != "string":
-            try:
-                args[key] = json.loads(value)
-                continue
-            except ValueError:
-                pass
-        args[key] = value
-    return name, json.dumps(args, ensure_ascii=False)
 
 
 def _name(raw: str) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.compose.reply import ReplyFormat, param_types, think_markers, tool_syntax
+from localllm.compose.reply import ReplyFormat, think_markers, tool_syntax
+from localllm.compose.xml_calls import param_types
 from localllm.errors import InvalidInput
 
 # reasoning_effort / think levels → a reasoning budget in tokens (None: unlimited)

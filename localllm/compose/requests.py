@@ -28,8 +28,9 @@ from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
 from localllm.compose.templates import fim_prompt, truncate_history
 from localllm.compose.tool_grammar import call_grammar
-from localllm.errors import ContextOverflow, InvalidInput
+from localllm.errors import InvalidInput
 from localllm.runtime.cache.prefix import common_prefix
+from localllm.runtime.engine.context_shift import overflow
 from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Notice, Request
 
 # sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)
@@ -125,14 +126,14 @@ class RequestBuilder:
                     tools: list[Any] | None = None) -> str:
         """The prompt text a chat request renders to, exactly as chat() sends it (llama.cpp's
         /apply-template)."""
-        return self._rendered(messages, options, tools).render(self._messages(messages))[0]
+        return self._rendering(options, tools).render(self._messages(messages))[0]
 
     def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not messages:
             raise InvalidInput("messages must not be empty")
         return template_messages(messages)
 
-    def _rendered(self, messages: list[dict[str, Any]], options: Options, tools: list[Any] | None) -> _Rendering:
+    def _rendering(self, options: Options, tools: list[Any] | None) -> _Rendering:
         think, budget = thinking(options.think, options.reasoning_budget)
         choice = tool_choice(options.tool_choice, tools)
         tools = tools if tools and choice != "none" else None
@@ -144,7 +145,7 @@ class RequestBuilder:
     def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
               truncatable: bool) -> Plan:
         messages = self._messages(messages)
-        how = self._rendered(messages, options, tools)
+        how = self._rendering(options, tools)
         text, fmt, system_prefix = how.render(messages)
         prompt = self._tokens(text)
         notices: list[Notice] = []
@@ -178,8 +179,7 @@ class RequestBuilder:
                                       f"dropped the oldest turns ({d} tokens) to fit the {n_ctx}-token context"))
                 prompt = shorter
         if len(prompt) >= n_ctx:
-            raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}", len(prompt), n_ctx,
-                                  "shorten the prompt, raise --ctx, or use the 'shift' policy")
+            raise overflow(len(prompt), n_ctx)
         return prompt, notices
 
     def _close_tokens(self, marker: str) -> list[int]:

@@ -181,7 +181,6 @@ class ChatApp(App[None]):
             self.post_message(StreamFailed(gen, exc))
             return
         self._stream = stream
-        self._turn_base = stream.prompt_tokens or self.status.used  # the last turn's total: a lower bound
         if gen != self._gen:  # stopped before the stream existed
             stream.cancel()
             return
@@ -215,6 +214,8 @@ class ChatApp(App[None]):
                 self.show_notice(chunk.notice)
         if self._turn_tokens == 0:  # the model is loaded now: its context size is known
             self._status_model()
+            if self._stream is not None and self._stream.prompt_tokens:  # else the last turn's total, a lower bound
+                self._turn_base = self._stream.prompt_tokens
         # one token per piece where a stream does not say (Ollama's lines carry one token each)
         self._turn_tokens += sum(len(c.tokens) or int(bool(c.text or reasoning_of(c))) for c in batch)
         self.status.streaming(self._turn_base + self._turn_tokens)

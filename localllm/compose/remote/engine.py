@@ -181,11 +181,14 @@ class RemoteEngine:
         return {"slots": [], "n_ctx": 0, "waiting": 0, "remote": self.status()}
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        raise InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): its tokenizer lives on "
-                           "the upstream", "send text, or ask the upstream directly")
+        raise self._no_tokenizer()
 
     def detokenize(self, tokens: list[int]) -> str:
-        return "".join(map(str, self.tokenize("")))  # refused the same way
+        raise self._no_tokenizer()
+
+    def _no_tokenizer(self) -> InvalidInput:
+        return InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): its tokenizer lives on "
+                            "the upstream", "send text, or ask the upstream directly")
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
         raise InvalidInput(f"{self.remote.name} is a remote model ({self.remote.url}): localllm does not "

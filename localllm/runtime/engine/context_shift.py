@@ -60,14 +60,20 @@ def fit_prompt(prompt: list[int], n_ctx: int, n_keep: int, reserve: int) -> Prom
     return PromptFit(prompt[:keep] + prompt[len(prompt) - tail:], dropped)
 
 
+def overflow(n_prompt: int, n_ctx: int) -> ContextOverflow:
+    """The error for a prompt that cannot fit the context (the engine's `error` policy, and a chat that
+    truncate_history could not shorten enough)."""
+    return ContextOverflow(f"the prompt is {n_prompt} tokens; the context holds {n_ctx}", n_prompt, n_ctx,
+                           "shorten the prompt, raise --ctx, or use the 'shift' policy")
+
+
 def fit_request(req: Request, prompt: list[int], n_ctx: int) -> tuple[list[int], list[Notice]]:
     """Apply a request's context policy to a prompt that does not fit: refuse it (error), or keep its
     first n_keep tokens and its end (shift); says what it dropped."""
     if len(prompt) < n_ctx:
         return prompt, []
     if req.context_policy == "error":
-        raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the context holds {n_ctx}",
-                              len(prompt), n_ctx, "shorten the prompt, raise --ctx, or use the 'shift' policy")
+        raise overflow(len(prompt), n_ctx)
     keep = effective_keep(req.n_keep if req.n_keep else 1, len(prompt), n_ctx)
     fit = fit_prompt(prompt, n_ctx, keep, reserve=n_ctx // 4)
     msg = f"prompt of {len(prompt)} tokens did not fit the {n_ctx}-token context: dropped {fit.n_dropped} " \

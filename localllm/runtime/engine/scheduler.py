@@ -143,7 +143,7 @@ class Engine(ThreadSubmit):
         """A snapshot for tests and /metrics (read without a lock: approximate while busy)."""
         slots = [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
                  for s in self.slots]
-        return {"slots": slots, "waiting": len(self._waiting) + self._inbox.qsize(), "n_ctx": self.n_ctx,
+        return {"slots": slots, "waiting": self.waiting(), "n_ctx": self.n_ctx,
                 "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
                 "speculative": self._drafter.name if self._drafter else None}
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from localllm.errors import InvalidInput
+from localllm.errors import EngineError, InvalidInput
 from localllm.runtime.api import EMBED_CTX, Embeddings
 from localllm.runtime.native.llama import Batch, Context, Model, clean_text
 
@@ -31,6 +31,7 @@ class Embedder:
         self.n_ctx = min(n_ctx, self.ctx.n_ctx)
         self._batch = Batch(self.n_ctx, 1)
         self._lock = threading.Lock()
+        self._closed = False
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
         """An L2-normalized vector and the token count for each text."""
@@ -38,6 +39,8 @@ class Embedder:
             raise InvalidInput("input must be a string or a non-empty list of strings")
         vectors, counts = [], []
         with self._lock:
+            if self._closed:
+                raise EngineError("the model was unloaded during the embedding", "retry the request")
             for i, text in enumerate(texts):
                 tokens = self.model.tokenize(clean_text(text))
                 if not tokens:
@@ -58,5 +61,6 @@ class Embedder:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._batch.close()
             self.ctx.close()

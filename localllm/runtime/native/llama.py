@@ -14,7 +14,6 @@ import functools
 import os
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,38 +118,14 @@ def system_info() -> str:
 def kernels_for_load(cpu_kernels: str = "auto") -> tuple[str, str]:
     """(mode in effect, why) for a model load about to start in this process: the cpu_kernels setting
     resolved for this machine (machine/kernels.py) and applied (the AMX guard where it is wanted). Every load
-    goes through it, the Llama class's too (runtime/native/embed.py, baseline.py): a first load that skipped it
-    takes llama.cpp's AMX kernels where they exist, and their matmul crashes on some Xeons (issue 34: a
-    Sapphire Rapids segfaulted in the first embedding)."""
+    goes through it, the Llama class's too (eval/baseline.py): a first load that skipped it takes llama.cpp's
+    AMX kernels where they exist, and their matmul crashes on some Xeons (issue 34: a Sapphire Rapids
+    segfaulted in the first embedding, then loaded through the Llama class)."""
     try:
         choice = cpu_guard.choose(cpu_kernels, system_info())
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
     return cpu_guard.start_load(choice.mode, choice.reason)
-
-
-@contextlib.contextmanager
-def llama_class_load(cpu_kernels: str = "auto") -> Iterator[str]:
-    """Around a load through llama_cpp.Llama (the bench baseline): the cpu_kernels choice applied as for a
-    Model (kernels_for_load); yields the mode. The Llama class has no use_extra_bufts argument, so for "none"
-    (AMX could not be kept out alone: a model was loaded here before) its default model params are swapped
-    for the length of the load; without that it took AMX's kernels and crashed on an AMX Xeon."""
-    mode, _ = kernels_for_load(cpu_kernels)
-    if mode != "none":
-        yield mode
-        return
-    default = lc.llama_model_default_params
-
-    def without_extra_bufts() -> Any:
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    lc.llama_model_default_params = without_extra_bufts
-    try:
-        yield mode
-    finally:
-        lc.llama_model_default_params = default
 
 
 class Model:
