@@ -85,16 +85,34 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server over the tiny model plus tests/scriptmodel.py's THINKER, CALLER and CODER (real GGUFs whose
-    greedy replies are known: reasoning then an answer, reasoning then a tool call, a Qwen3-Coder XML call),
-    one per test module."""
+    """A server over the tiny model plus tests/scriptmodel.py's scripts (real GGUFs whose greedy replies are
+    known: reasoning then an answer, reasoning then a tool call, a Qwen3-Coder XML call; gpt-oss's harmony
+    reasoning and call, a DeepSeek call, their markers control tokens), one per test module."""
     from helpers import install, serving
-    from scriptmodel import CALLER, CODER, THINKER, make_script_gguf
+    from scriptmodel import (
+        CALLER,
+        CODER,
+        DEEPSEEK_CALLER,
+        DEEPSEEK_CONTROLS,
+        DEEPSEEK_TEMPLATE,
+        HARMONY_CALLER,
+        HARMONY_CONTROLS,
+        HARMONY_TEMPLATE,
+        HARMONY_THINKER,
+        TEMPLATE,
+        THINKER,
+        make_script_gguf,
+    )
 
     root = tmp_path_factory.mktemp("script")
+    models = {"thinker": (THINKER, TEMPLATE, []), "caller": (CALLER, TEMPLATE, []), "coder": (CODER, TEMPLATE, []),
+              "oss-thinker": (HARMONY_THINKER, HARMONY_TEMPLATE, HARMONY_CONTROLS),
+              "oss-caller": (HARMONY_CALLER, HARMONY_TEMPLATE, HARMONY_CONTROLS),
+              "deepseek-caller": (DEEPSEEK_CALLER, DEEPSEEK_TEMPLATE, DEEPSEEK_CONTROLS)}
     with serving(root) as info:
-        for name, script in (("thinker", THINKER), ("caller", CALLER), ("coder", CODER)):
-            install(info.app.state.server.store, make_script_gguf(root / f"{name}.gguf", script), f"{name}:latest")
+        for name, (script, template, controls) in models.items():
+            gguf = make_script_gguf(root / f"{name}.gguf", script, template=template, controls=controls)
+            install(info.app.state.server.store, gguf, f"{name}:latest")
         yield info
 
 

@@ -38,6 +38,26 @@ CALLER = [HEAD, "<think>", "I need the weather.", "</think>", GAP, "<tool_call>"
 # Qwen3-Coder's call syntax inside the same <tool_call> block: XML parameters, typed by the tool's schema
 CODER = [HEAD, "<tool_call>", "\n<function=get_weather>\n", "<parameter=city>\n", "Par", "is\n</parameter>\n",
          "<parameter=unit>\nC\n</parameter>\n", "</function>\n", "</tool_call>"]
+# gpt-oss's harmony, its vocabulary's control tokens as gpt-oss has them (llama.cpp always writes out four of
+# them, and <|end|> too once <|return|> and <|call|> are there). A bigram script uses each token once, so one
+# model reasons and another calls.
+HARMONY_TEMPLATE = (
+    "{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m.content or '' }}<|end|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
+HARMONY_CONTROLS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>"]
+HARMONY_THINKER = ["assistant", "<|channel|>", "analysis", "<|message|>", "Let me think it over.", "<|end|>"]
+HARMONY_CALLER = ["assistant", "<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json",
+                  "<|message|>", '{"city": "Paris", "unit": "C"}', "<|call|>"]
+# DeepSeek V3.1: the call's markers are control tokens, which a detokenizer drops unless told to keep them
+DEEPSEEK_TEMPLATE = (
+    "{%- for m in messages %}<｜{{ m.role }}｜>{{ m.content or '' }}{% endfor %}"
+    "{%- if tools %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>x<｜tool▁sep｜>{}<｜tool▁call▁end｜>{% endif %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+DEEPSEEK_CONTROLS = ["<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
+DEEPSEEK_CALLER = ["<｜Assistant｜>", "Checking.", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "get_weather",
+                   "<｜tool▁sep｜>", '{"city": "Paris", "unit": "C"}', "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
 THINKER_REPLY = ("Let me think it over.", "The answer is 42.")
 CALLER_CALL = ("get_weather", '{"city": "Paris", "unit": "C"}')
 WEATHER_TOOL = {"type": "function", "function": {
@@ -47,13 +67,15 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def make_script_gguf(path: str | Path, script: list[str], *, template: str = TEMPLATE) -> Path:
-    """Write a bigram GGUF whose greedy reply after a prompt ending in script[0] is script[1:], then EOS."""
+def make_script_gguf(path: str | Path, script: list[str], *, template: str = TEMPLATE,
+                     controls: list[str] | None = None) -> Path:
+    """Write a bigram GGUF whose greedy reply after a prompt ending in script[0] is script[1:], then EOS.
+    `controls`: pieces that are control tokens (written out only where a detokenizer is told to)."""
     import gguf
     from gguf.constants import TokenType
 
     toks, scores, types = _vocab(400)
-    controls = ["<|im_start|>", "<|im_end|>"]
+    controls = ["<|im_start|>", "<|im_end|>", *(controls or [])]
     for piece in controls + script:
         if piece not in toks:
             toks.append(piece)

@@ -162,7 +162,11 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
 
     path, man = _model_file(model)
     info = model_info(path)
+    from localllm.compose.call_syntax import describe
+
     data: dict[str, Any] = {"name": man.name if man else str(path), **info.as_dict()}
+    if info.chat_template:
+        data["reply_syntax"] = describe(info.chat_template)
     if man:
         data.update(digest=man.digest, source=man.source, lineage=man.lineage)
     plan = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots) if fit else None
@@ -178,6 +182,7 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
         ("kv heads", info.kv_heads), ("head size", info.head_size_k),
         ("sliding window", info.sliding_window or "-"), ("vocabulary", info.vocab_size),
         ("chat template", "yes" if info.has_chat_template else "no (catalog fallback)"),
+        ("reply syntax", data.get("reply_syntax", "-")),
         ("fim tokens", ", ".join(info.fim_tokens) if info.fim_tokens else "no"),
         ("size on disk", human_bytes(info.size_bytes)),
     ]

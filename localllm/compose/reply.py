@@ -3,13 +3,15 @@
 One parser for every door (OpenAI chat and Responses, Anthropic Messages, Ollama, the chat UI), so a
 streamed reply and a collected one are the same reply by construction. What to look for comes from the
 model's chat template (`reply_format`):
-- reasoning between `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills) or `[THINK]…[/THINK]`
-  (Magistral); a prompt that already ends with the open marker (R1's templates, Qwen3 with thinking on
+- reasoning between `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills), `[THINK]…[/THINK]`
+  (Magistral), `<seed:think>` (Seed-OSS) or `<|START_THINKING|>` (Command-R7B); a prompt that already ends with the open marker (R1's templates, Qwen3 with thinking on
   in some versions) starts the reply inside the reasoning;
 - tool calls: Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks, Mistral's
   `[TOOL_CALLS][{...}, ...]` (the marker is a control token the output usually drops, so a reply that
   starts with a JSON list of calls counts too), and a reply that is one JSON object
-  `{"name", "arguments"|"parameters"}` (Llama 3.x, and any template without its own syntax).
+  `{"name", "arguments"|"parameters"}` (Llama 3.x, and any template without its own syntax); calls between
+  a family's own markers (compose/call_syntax.py `TAGGED`: DeepSeek, Kimi K2, GLM, MiniMax …), read whole at
+  their close; gpt-oss's harmony channels (compose/harmony.py).
 
 Arguments are streamed as the model writes them (fragments of its JSON text) once a call's name is
 known; a call written another way (arguments first, arguments as a string) is read whole at its end.
@@ -24,9 +26,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localllm.compose.xml_calls import xml_call
+from localllm.compose.call_syntax import TAGGED, Types, xml_call
+from localllm.compose.harmony import Channels, Piece
 
-THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"),
+                 ("<|START_THINKING|>", "<|END_THINKING|>"))
 HERMES = ("<tool_call>", "</tool_call>")
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
@@ -36,8 +40,9 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argume
 @dataclass(frozen=True)
 class ReplyFormat:
     """How one request's reply is written. think: the reasoning markers (None: the model does not
-    reason); in_reasoning: the prompt ended with the open marker; tools: "hermes", "mistral" or "json"
-    (None: no tools offered, so no text is taken for a call); budget: reasoning tokens before the
+    reason); in_reasoning: the prompt ended with the open marker; tools: the call syntax
+    (compose/call_syntax.py tool_syntax; None: no tools offered, so no text is taken for a call); channels: the
+    reply is gpt-oss's harmony messages (reasoning and answer apart, with or without tools); budget: reasoning tokens before the
     reasoning is closed for the model (None: no limit)."""
 
     think: tuple[str, str] | None = None
@@ -49,7 +54,8 @@ class ReplyFormat:
     marked: bool = False
     # (tool, parameter, JSON schema type) of the tools offered: a call written as XML parameters
     # (Qwen3-Coder's `<function=…><parameter=…>`) has its values typed by them
-    param_types: tuple[tuple[str, str, str], ...] = ()
+    param_types: Types = ()
+    channels: bool = False
 
 
 def think_markers(template: str | None) -> tuple[str, str] | None:
@@ -58,15 +64,6 @@ def think_markers(template: str | None) -> tuple[str, str] | None:
         if template and open_ in template and close in template:
             return open_, close
     return None
-
-
-def tool_syntax(template: str | None) -> str:
-    """How a template's model writes tool calls: "hermes", "mistral", or "json" (a bare object)."""
-    if template and HERMES[0] in template:
-        return "hermes"
-    if template and MISTRAL in template:
-        return "mistral"
-    return "json"
 
 
 def handles_tools(template: str | None) -> bool:
@@ -188,10 +185,12 @@ class ReplyParser:
         self._opened = False  # ... and past its "["
         self._cur: ToolCall | None = None  # the call whose arguments are streaming
         self._args: _ValueEnd | None = None
+        self._tagged = TAGGED.get(self.fmt.tools or "")
+        self._channels = Channels(calls=self.fmt.tools is not None) if self.fmt.channels else None
 
     @property
     def in_reasoning(self) -> bool:
-        return self.mode == "reasoning"
+        return self._channels.in_reasoning if self._channels else self.mode == "reasoning"
 
     def close_reasoning(self) -> list[Delta]:
         """The reasoning was closed for the model (its budget spent): what follows is the answer."""
@@ -200,6 +199,8 @@ class ReplyParser:
         return out
 
     def feed(self, text: str) -> list[Delta]:
+        if self._channels:
+            return self._route(self._channels.feed(text))
         self.buf += text
         out: list[Delta] = []
         while True:
@@ -209,6 +210,8 @@ class ReplyParser:
                 return out
 
     def finish(self) -> list[Delta]:
+        if self._channels:
+            return self._route(self._channels.feed("", final=True))
         out = self.feed("")
         for _ in range(8):  # each mode flushes into the next at most a few times
             mode = self.mode
@@ -228,10 +231,29 @@ class ReplyParser:
             self.content += text
         return [Delta(kind, text)]
 
+    def _route(self, pieces: list[Piece]) -> list[Delta]:
+        """Harmony's pieces (compose/harmony.py) as Deltas."""
+        out: list[Delta] = []
+        for p in pieces:
+            if p.kind == "call":
+                self._cur = self._new_call(p.text)
+                out.append(Delta("tool_start", index=len(self.calls) - 1, id=self._cur.id, name=self._cur.name))
+            elif p.kind == "args":
+                out += self._args_delta(p.text)
+            elif p.kind == "done":
+                if self._cur is not None:
+                    self._cur.done = True
+                self._cur = None
+            else:
+                out += self._emit(p.kind, p.text)
+        return out
+
     def _step(self, mode: str, final: bool) -> list[Delta]:
         """Read what the buffer holds in the current mode (reasoning, content, or inside a tool call)."""
         if mode == "reasoning":
             return self._reasoning(final)
+        if mode == "tagged":
+            return self._tagged_call(final)
         return self._call(final) if mode == "call" else self._content(final)
 
     def _reasoning(self, final: bool) -> list[Delta]:
@@ -270,15 +292,23 @@ class ReplyParser:
             if starts:  # a reasoning block (after which the reply starts afresh) or a call began
                 return []
             self._fresh = False
-        markers = (HERMES[0],) if self.fmt.tools == "hermes" else ((MISTRAL,) if self.fmt.tools == "mistral" else ())
-        for m in markers:
-            i = self.buf.find(m)
-            if i >= 0:
+        if self._tagged:
+            markers: tuple[str, ...] = (self._tagged.open, *self._tagged.drop)
+        else:
+            markers = (HERMES[0],) if self.fmt.tools == "hermes" else ((MISTRAL,) if self.fmt.tools == "mistral" else ())
+        found = [(i, m) for m in markers if (i := self.buf.find(m)) >= 0]
+        for i, m in sorted(found)[:1]:
+            if self._tagged:
                 out = self._emit("content", self.buf[:i])
-                self.buf, self.mode, self._lead = self.buf[i + len(m):], "call", False
-                self._closer, self._list = (HERMES[1], False) if m == HERMES[0] else ("", True)
-                self._opened = False
+                self.buf = self.buf[i + len(m):]
+                if m == self._tagged.open:
+                    self.mode, self._lead = "tagged", False
                 return out
+            out = self._emit("content", self.buf[:i])
+            self.buf, self.mode, self._lead = self.buf[i + len(m):], "call", False
+            self._closer, self._list = (HERMES[1], False) if m == HERMES[0] else ("", True)
+            self._opened = False
+            return out
         keep = 0 if final or self.fmt.marked else _held(self.buf, markers)
         out = self._emit("content", self.buf[:len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep:]
@@ -317,7 +347,7 @@ class ReplyParser:
                 self.buf, self.mode, self._closer, self._list = b.removeprefix(MISTRAL), "call", "", True
                 self._opened, self._fresh = False, False
                 return True
-        elif b.startswith("{"):
+        elif b.startswith("{") and not self._tagged:
             self.buf, self.mode, self._closer, self._list, self._fresh = b, "call", "", False, False
             return True
         return False
@@ -355,6 +385,27 @@ class ReplyParser:
             self.buf = b  # read whole at its end (the name may still be coming, or comes after the arguments)
             return []
         return self._read_whole(b, final)
+
+    def _tagged_call(self, final: bool) -> list[Delta]:
+        """Inside a call between a family's markers: read to its close, then the body says what was called."""
+        assert self._tagged is not None
+        end = self.buf.find(self._tagged.close) if self._tagged.close else -1
+        if end < 0 and not final:
+            return []
+        body, self.buf = (self.buf[:end], self.buf[end + len(self._tagged.close):]) if end >= 0 else (self.buf, "")
+        self.mode = "content"
+        calls = self._tagged.body(body, self.fmt.param_types)
+        if calls is None:  # not a call after all: it is text, written as it was
+            return self._emit("content", self._tagged.open + body + (self._tagged.close if end >= 0 else ""))
+        out: list[Delta] = []
+        self._lead = True
+        for call_id, name, args in calls:
+            call = self._new_call(name)
+            call.id, call.done = call_id or call.id, end >= 0 or not self._tagged.close
+            out.append(Delta("tool_start", index=len(self.calls) - 1, id=call.id, name=name))
+            call.arguments = args
+            out.append(Delta("tool_args", args, index=len(self.calls) - 1))
+        return out
 
     def _stream_args(self, final: bool) -> list[Delta]:
         assert self._cur is not None and self._args is not None
@@ -411,7 +462,8 @@ class ReplyParser:
         try:
             parsed = _call_from(json.loads(body))
         except ValueError:
-            parsed = xml_call(body, self.fmt.param_types) if self._closer else None
+            xml = xml_call(body, self.fmt.param_types) if self._closer else None
+            parsed = xml[1:] if xml else None
         if parsed is None:  # not a call after all: it is text, written as it was
             self.mode, self._list = "content", False
             text = HERMES[0] + body + (self._closer if self._closer in b else "") if self._closer else body

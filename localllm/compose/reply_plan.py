@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.compose.reply import ReplyFormat, think_markers, tool_syntax
-from localllm.compose.xml_calls import param_types
+from localllm.compose.call_syntax import param_types, tool_syntax
+from localllm.compose.reply import ReplyFormat, think_markers
 from localllm.errors import InvalidInput
 
 # reasoning_effort / think levels → a reasoning budget in tokens (None: unlimited)
@@ -73,10 +73,11 @@ def reply_plan(text: str, template: str | None, *, think: bool | None, budget: i
     model the reasoning is closed in the prompt (an empty block, as Qwen3's template writes for
     enable_thinking=false), so the model answers at once."""
     markers = think_markers(template)
+    harmony = tool_syntax(template) == "harmony"
     syntax = tool_syntax(template) if tools else None
     types = param_types(tools) if isinstance(tools, list) else ()
     if markers is None:
-        return text, ReplyFormat(tools=syntax, param_types=types)
+        return text, ReplyFormat(tools=syntax, param_types=types, channels=harmony)
     open_, close = markers
     tail = text.rstrip()
     in_reasoning = tail.endswith(open_)

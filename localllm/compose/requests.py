@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from localllm.compose.call_syntax import preserved
 from localllm.compose.formats import ChatFormat, template_messages
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.reply import ReplyFormat
@@ -154,11 +155,14 @@ class RequestBuilder:
             prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: how.render(msgs)[0])
         n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
         req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
+        req.show_special = preserved(self.fmt.template) + (fmt.think or ())
         if how.forced:
             assert how.tools is not None
             if req.grammar is not None or req.json_schema is not None:
                 raise InvalidInput("tool_choice required or named cannot be combined with a grammar or format")
-            req.grammar = call_grammar(how.tools, how.choice, fmt.tools or "json")
+            singles = frozenset(m for m in req.show_special
+                                if len(self.model.tokenize(m, add_special=False, parse_special=True)) == 1)
+            req.grammar = call_grammar(how.tools, how.choice, fmt.tools or "json", singles)
         close = self._close_tokens(fmt.think[1]) if fmt.think is not None and fmt.budget is not None else []
         return Plan(req, reply=fmt, notices=notices, close_reasoning=close)
 

@@ -33,8 +33,92 @@ def call_schema(tools: list[Any], choice: str | dict[str, Any]) -> dict[str, Any
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def call_grammar(tools: list[Any], choice: str | dict[str, Any], syntax: str) -> str:
-    """GBNF for one call in `syntax` ("hermes", "mistral" or "json")."""
+# a call in the families' own syntaxes (compose/call_syntax.py): the text before the name, between the name and
+# the arguments (the tool's parameters as JSON), and after them
+_SHAPES = {
+    "harmony": ("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", ""),
+    "deepseek_v3_1": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "deepseek_r1": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
+                    "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.", ":0<|tool_call_argument_begin|>",
+                "<|tool_call_end|><|tool_calls_section_end|>"),
+    "functionary_v3_1": ("<function=", ">", "</function>"),
+    "apertus": ('<|tools_prefix|>[{"', '": ', "}]<|tools_suffix|>"),
+    "command_r7b": ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "', '", "parameters": ', "}]<|END_ACTION|>"),
+}
+_WRAP.update({"apriel": '"<tool_calls>[" call "]</tool_calls>"', "granite_3_3": '"<|tool_call|>[" call "]"'})
+
+
+def call_grammar(tools: list[Any], choice: str | dict[str, Any], syntax: str, tokens: frozenset[str] = frozenset()) -> str:
+    """GBNF for one call in `syntax` (compose/call_syntax.py tool_syntax). `tokens`: markers that are one token
+    of the model's vocabulary, matched as that token (else a model could spell them out byte by byte)."""
+    if syntax in _SHAPES:
+        return _shaped(tools, choice, syntax, tokens)
+    if syntax not in _WRAP:
+        raise InvalidInput(f"tool_choice required or named is not supported for this model's call syntax ({syntax})",
+                           'send tool_choice "auto": the model calls a tool in its own syntax and the reply is read')
     gbnf = json_schema_to_gbnf(json.dumps(call_schema(tools, choice)))
     body = re.sub(r"^root ::=", "call ::=", gbnf, count=1, flags=re.MULTILINE)
-    return f"root ::= {_WRAP.get(syntax, 'call')}\n{body}"
+    return f"root ::= {_WRAP[syntax]}\n{body}"
+
+
+def _shaped(tools: list[Any], choice: str | dict[str, Any], syntax: str, tokens: frozenset[str]) -> str:
+    """One alternative per allowed tool: its name as a literal, its arguments by its own schema."""
+    before, between, after = (_literal(t, tokens) for t in _SHAPES[syntax])
+    alts, rules = [], []
+    for i, option in enumerate(_options(call_schema(tools, choice))):
+        name, params = option["properties"]["name"]["const"], option["properties"]["arguments"]
+        rules.append(_prefixed(json_schema_to_gbnf(json.dumps(params)), f"t{i}-"))
+        alts.append(f"{before} {_literal(name, frozenset())} {between} t{i}-root {after}")
+    return "root ::= " + " | ".join(f"( {a} )" for a in alts) + "\n" + "\n".join(rules)
+
+
+def _literal(text: str, tokens: frozenset[str]) -> str:
+    """GBNF for literal text: "quoted" pieces, and <marker> for each marker that is one token."""
+    marks = sorted((t for t in tokens if re.fullmatch(r"<[^<>]+>", t)), key=len, reverse=True)
+    parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", text) if marks else [text]
+    return " ".join(p if p in marks else json.dumps(p, ensure_ascii=False) for p in parts if p) or '""'
+
+
+def _options(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(schema.get("anyOf", [schema]))
+
+
+_WORD = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def _prefixed(gbnf: str, prefix: str) -> str:
+    """The grammar with every rule renamed `prefix + name` (references too; literals and classes untouched),
+    so several tools' grammars live in one."""
+    names = {line.split("::=", 1)[0].strip() for line in gbnf.splitlines() if "::=" in line}
+    out = []
+    for line in gbnf.splitlines():
+        if "::=" not in line:
+            out.append(line)
+            continue
+        head, body = line.split("::=", 1)
+        out.append(f"{prefix}{head.strip()} ::={_rename(body, names, prefix)}")
+    return "\n".join(out)
+
+
+def _rename(body: str, names: set[str], prefix: str) -> str:
+    out, i = [], 0
+    while i < len(body):
+        ch = body[i]
+        if ch in "\"[":  # a literal or a character class: copy it whole, escapes included
+            close = '"' if ch == '"' else "]"
+            j = i + 1
+            while j < len(body) and body[j] != close:
+                j += 2 if body[j] == "\\" else 1
+            out.append(body[i:j + 1])
+            i = j + 1
+            continue
+        m = _WORD.match(body, i)
+        if m:
+            word = m.group(0)
+            out.append(prefix + word if word in names else word)
+            i = m.end()
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)

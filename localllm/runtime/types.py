@@ -90,6 +90,9 @@ class Request:
     n_keep: int = 0  # prompt tokens kept on a shift (the system prompt); -1 keeps the whole prompt
     add_special: bool = True  # BOS as the GGUF asks, exactly once (Model.tokenize): not again if the text has it
     parse_special: bool = True  # "<start_of_turn>" in the text becomes the control token
+    # control tokens the reply writes out as text: the markers its syntax is read by (llama-server's
+    # preserved_tokens: gpt-oss's <|channel|>, DeepSeek's <｜tool▁call▁begin｜> …); others are dropped
+    show_special: tuple[str, ...] = ()
     ignore_eos: bool = False
     # a sliding-window model's prefill is cut where llama-server cuts a completion's (runtime/engine/prefill_split.py),
     # so a single request gets its greedy output; False for /infill, which llama-server does not cut

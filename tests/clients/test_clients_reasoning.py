@@ -290,3 +290,56 @@ def test_script_model_is_what_it_says(tmp_path: Path) -> None:
     model = Model(make_script_gguf(tmp_path / "t.gguf", THINKER))
     ids = model.tokenize("<|im_start|>assistant\n", add_special=False, parse_special=True)
     assert model.detokenize([ids[-1]]) == "assistant\n"
+
+
+@pytest.mark.parametrize("model", ["oss-caller", "deepseek-caller"])
+def test_control_token_call_syntaxes_through_every_door(model: str, oai: openai.OpenAI, script_srv: Server) -> None:
+    """gpt-oss's harmony call (issue 29: before, the whole header and JSON were the answer) and DeepSeek's call,
+    whose markers are control tokens the detokenizer drops unless the request keeps its syntax's markers
+    (llama-server's preserved_tokens; before: "Checking.<｜tool▁call▁begin｜>get_weather{…" as text with the
+    separator gone). OpenAI whole and streamed, Ollama, Anthropic."""
+    import anthropic
+
+    want = ("get_weather", {"city": "Paris", "unit": "C"})
+    text = "Checking." if model == "deepseek-caller" else None
+    r = oai.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL])  # type: ignore[arg-type,list-item]
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == text
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []] == [want]  # type: ignore[union-attr]
+    _, content, calls, reason = _stream(oai, model=model, messages=USER, tools=[WEATHER_TOOL])
+    assert (content, reason) == (text or "", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [want]
+    o = ollama.Client(host=script_srv.url).chat(model=model, messages=USER, tools=[WEATHER_TOOL])
+    assert [(c.function.name, c.function.arguments) for c in o.message.tool_calls or []] == [want]
+    a = anthropic.Anthropic(base_url=script_srv.url, api_key="x", max_retries=0).messages.create(
+        model=model, max_tokens=64, messages=USER,  # type: ignore[arg-type]
+        tools=[{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}])  # type: ignore[index]
+    assert a.stop_reason == "tool_use" and [(u.name, u.input) for u in a.content if u.type == "tool_use"] == [want]
+
+
+def test_harmony_reasoning_apart_without_tools(oai: openai.OpenAI, script_srv: Server) -> None:
+    """gpt-oss's analysis channel is reasoning whether or not tools are offered (before:
+    "<|channel|>analysis<|message|>Let me…" was the answer)."""
+    r = oai.chat.completions.create(model="oss-thinker", messages=USER)  # type: ignore[arg-type]
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Let me think it over."  # type: ignore[index]
+    assert not r.choices[0].message.content
+    o = ollama.Client(host=script_srv.url).chat(model="oss-thinker", messages=USER)
+    assert (o.message.thinking, o.message.content) == ("Let me think it over.", "")
+
+
+@pytest.mark.parametrize("model", ["oss-caller", "deepseek-caller"])
+def test_forced_calls_in_the_models_own_syntax(model: str, oai: openai.OpenAI) -> None:
+    """tool_choice required / named: the grammar writes the call in the family's syntax, markers (control
+    tokens here) and all, and the family's parser reads it (it reads no bare JSON object, which the grammar
+    wrote before the families had parsers of their own)."""
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        tools = [WEATHER_TOOL, pick] if choice != "required" else [pick]  # a free string could outrun max_tokens
+        r = oai.chat.completions.create(model=model, messages=USER, tools=tools, tool_choice=choice,  # type: ignore[arg-type]
+                                        max_tokens=80)
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [c.function.name for c in calls] == ["pick"]  # type: ignore[union-attr]
+        assert json.loads(calls[0].function.arguments)["color"] in ("red", "blue")  # type: ignore[union-attr]

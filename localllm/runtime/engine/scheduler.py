@@ -131,10 +131,16 @@ class Engine(ThreadSubmit):
         chain = build_chain(self.model, request.params, grammar_for(request))
         state = StreamState()
         job = Job(request, prompt, state, chain, n_keep, notices=notices,
-                  stop=StopMatcher(request.stop) if request.stop else None, spec=spec)
+                  stop=StopMatcher(request.stop) if request.stop else None, spec=spec,
+                  shown=self._special_ids(request.show_special))
         job.timings.prompt_tokens = len(prompt)
         self._inbox.put(job)
         return Stream(state, request.id, self._wake, list(prompt))
+
+    def _special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """The tokens that are exactly these texts (a text the vocabulary splits is written as text anyway)."""
+        ids = (self.tokenize(t, add_special=False, parse_special=True) for t in texts)
+        return frozenset(t[0] for t in ids if len(t) == 1)
 
     def generate(self, request: Request) -> Result:
         return self.submit(request).result()
@@ -497,7 +503,7 @@ class Engine(ThreadSubmit):
             return
         job.out_tokens.append(tok)
         self._counters["decoded_tokens"] += 1
-        text = job.decoder.decode(self.model.token_to_piece(tok))
+        text = job.decoder.decode(self.model.token_to_piece(tok, tok in job.shown))
         hit = False
         if job.stop is not None:
             text, hit = job.stop.feed(text)

@@ -111,6 +111,7 @@ class Job:
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     stop: StopMatcher | None = None
+    shown: frozenset[int] = frozenset()  # control tokens written out as text (Request.show_special)
     timings: Timings = field(default_factory=Timings)
     probs: list[TokenProbs] = field(default_factory=list)  # sampled, not yet sent (n_probs only), in order
 

@@ -27,6 +27,7 @@ import contextlib
 import json
 from typing import Any
 
+from localllm.compose.call_syntax import tool_syntax
 from localllm.compose.formats import ChatFormat, chat_format
 from localllm.compose.reply import handles_tools, think_markers
 from localllm.compose.spec import details, template_override
@@ -68,7 +69,7 @@ def capabilities(template: str, *, embedding: bool, insert: bool) -> list[str]:
     caps = ["completion"]
     if handles_tools(template):
         caps.append("tools")
-    if think_markers(template) is not None:
+    if think_markers(template) is not None or tool_syntax(template) == "harmony":
         caps.append("thinking")
     if insert:
         caps.append("insert")

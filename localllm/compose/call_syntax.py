@@ -1,0 +1,296 @@
+"""How each model family writes its tool calls, known from its chat template as llama-server knows it
+(llama.cpp's common/chat.cpp looks for the same strings, in the same order).
+
+Three kinds (compose/reply.py reads all of them, streamed and whole):
+- a JSON object `{"name", "arguments"}`, bare or in a block: "hermes" (`<tool_call>…</tool_call>`: Qwen2.5/3,
+  Hermes, Granite 4, SmolLM3 …; Qwen3-Coder's XML parameters inside it too), "mistral" (`[TOOL_CALLS][…]`),
+  "json" (a bare object: Llama 3.x and any template without its own syntax). Their arguments stream as written.
+- a call between literal markers, its body read whole at its close (`Tagged`, below): DeepSeek R1 and V3.1,
+  Kimi K2, GLM 4.5–4.7, Functionary v3.1, MiniMax M2, Seed-OSS, Command-R7B.
+- "harmony": gpt-oss's channels (compose/harmony.py).
+
+The markers are special tokens in most of these vocabularies, which a detokenizer drops: `preserved()` names
+the ones the engine must write out (llama-server's preserved_tokens).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Types = tuple[tuple[str, str, str], ...]  # (tool, parameter, JSON schema type)
+Call = tuple[str, str, str]  # (id or "", name, arguments as JSON text)
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
+
+
+def param_types(tools: list[Any] | None) -> Types:
+    """(tool, parameter, JSON schema type) for every typed parameter of OpenAI-style tools."""
+    out = []
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        fn = fn if isinstance(fn, dict) else t if isinstance(t, dict) else {}
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
+        for key, spec in (props or {}).items():
+            kind = spec.get("type") if isinstance(spec, dict) else None
+            if isinstance(fn.get("name"), str) and isinstance(kind, str):
+                out.append((fn["name"], str(key), kind))
+    return tuple(out)
+
+
+def _typed(pairs: list[tuple[str, str]], tool: str, types: Types) -> str:
+    """Arguments written as key/value text, as JSON: a value is text unless the tool's schema types the
+    parameter otherwise (a number, a boolean, an object…), as the families' own parsers read them."""
+    kinds = {param: kind for t, param, kind in types if t == tool}
+    args: dict[str, Any] = {}
+    for key, value in pairs:
+        key = key.strip()
+        if kinds.get(key, "string") != "string":
+            try:
+                args[key] = json.loads(value)
+                continue
+            except ValueError:
+                pass
+        args[key] = value
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _json_args(text: str) -> str | None:
+    """A JSON object's text (a ```json fence around it allowed, as DeepSeek R1 writes), re-serialized."""
+    text = text.strip()
+    text = re.sub(r"^```(?:json)?\s*", "", text)
+    text = re.sub(r"\s*```$", "", text)
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+# ---- call bodies: the text between a call's markers → calls (None: not a call after all) ---------------
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
+_INVOKE_PARAM = re.compile(r'<parameter name="([^"]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def xml_call(body: str, types: Types) -> Call | None:
+    """Qwen3-Coder's (and Seed-OSS's) `<function=NAME>` then `<parameter=KEY>VALUE</parameter>` lines."""
+    m = _FUNCTION.match(body)
+    if m is None:
+        return None
+    name = m.group(1).strip()
+    return "", name, _typed(_PARAMETER.findall(m.group(2)), name, types)
+
+
+def _xml_calls(body: str, types: Types) -> list[Call] | None:
+    call = xml_call(body, types)
+    return [call] if call else None
+
+
+def _invokes(body: str, types: Types) -> list[Call] | None:
+    """MiniMax M2: `<invoke name="NAME">` + `<parameter name="KEY">VALUE</parameter>`, several per block."""
+    calls = [("", name, _typed(_INVOKE_PARAM.findall(inner), name, types)) for name, inner in _INVOKE.findall(body)]
+    return calls or None
+
+
+def _arg_pairs(body: str, types: Types) -> list[Call] | None:
+    """GLM 4.5–4.7: NAME, then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs."""
+    name = re.split(r"<arg_key>|\n", body.strip(), maxsplit=1)[0].strip()
+    if not name or "<" in name or " " in name:
+        return None
+    return [("", name, _typed(_ARG.findall(body), name, types))]
+
+
+def _action_list(body: str, types: Types) -> list[Call] | None:
+    """Command-R7B: a JSON list of {"tool_call_id", "tool_name", "parameters"}."""
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("tool_name"), str):
+            return None
+        params = item.get("parameters")
+        calls.append((str(item.get("tool_call_id", "")), item["tool_name"],
+                      json.dumps(params if isinstance(params, dict) else {}, ensure_ascii=False)))
+    return calls
+
+
+def _json_list(body: str, name_key: str | None, args_key: str) -> list[Call] | None:
+    """A JSON list of calls: {"name", "arguments"} objects (Granite 3.3, Apriel), or {NAME: arguments} (Apertus)."""
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    items = items if isinstance(items, list) else [items]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        if name_key is None and len(item) == 1:
+            name, args = next(iter(item.items()))
+        else:
+            name, args = item.get(name_key or "name"), item.get(args_key, {})
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return None
+        calls.append(("", name, json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _py_value(node: ast.expr) -> Any:
+    """A Python (or JSON) literal's value; anything else is not an argument."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _LITERALS:
+        return _LITERALS[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_py_value(node.operand)
+    raise ValueError("not a literal")
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    raise ValueError("not a name")
+
+
+def _pythonic(body: str, types: Types) -> list[Call] | None:
+    """LFM2: `[name(key=value, …), …]`, values Python or JSON literals (parsed, never run)."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+        items = tree.elts if isinstance(tree, ast.List) else [tree]
+        calls = []
+        for item in items:
+            if not isinstance(item, ast.Call) or item.args:
+                return None
+            args = {kw.arg: _py_value(kw.value) for kw in item.keywords if kw.arg}
+            calls.append(("", _dotted(item.func), json.dumps(args, ensure_ascii=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None
+
+
+def _name_then_json(sep: str, prefix: str = "") -> Callable[[str, Types], list[Call] | None]:
+    """NAME, `sep`, then a JSON object (DeepSeek, Kimi K2, Functionary v3.1)."""
+
+    def parse(body: str, types: Types) -> list[Call] | None:
+        head, found, rest = body.removeprefix(prefix).partition(sep)
+        name, args = head.strip(), _json_args(rest)
+        if not found or not name or args is None:
+            return None
+        kimi = re.fullmatch(r"functions\.(.+):\d+", name)  # Kimi K2 writes its call id where the name goes
+        return [(name, kimi.group(1), args)] if kimi else [("", name, args)]
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """Calls between literal markers: `open` starts one, `close` ends it ("": the reply's end), `body` reads
+    what is between.
+    `drop`: markers the answer's text loses (a section around the calls, a response's wrapper); `inner`: the
+    body's own markers (a separator between name and arguments)."""
+
+    name: str
+    open: str
+    close: str
+    body: Callable[[str, Types], list[Call] | None]
+    drop: tuple[str, ...] = ()
+    inner: tuple[str, ...] = ()
+
+
+_DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+TAGGED: dict[str, Tagged] = {t.name: t for t in (
+    Tagged("deepseek_r1", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+           _name_then_json("\n", prefix="function<｜tool▁sep｜>"), _DS_SECTION, ("<｜tool▁sep｜>",)),
+    Tagged("deepseek_v3_1", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _name_then_json("<｜tool▁sep｜>"),
+           _DS_SECTION, ("<｜tool▁sep｜>",)),
+    Tagged("kimi_k2", "<|tool_call_begin|>", "<|tool_call_end|>", _name_then_json("<|tool_call_argument_begin|>"),
+           ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), ("<|tool_call_argument_begin|>",)),
+    Tagged("glm_4_5", "<tool_call>", "</tool_call>", _arg_pairs,
+           inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    Tagged("functionary_v3_1", "<function=", "</function>", _name_then_json(">")),
+    Tagged("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", _invokes),
+    Tagged("seed_oss", "<seed:tool_call>", "</seed:tool_call>", _xml_calls),
+    Tagged("command_r7b", "<|START_ACTION|>", "<|END_ACTION|>", _action_list,
+           ("<|START_RESPONSE|>", "<|END_RESPONSE|>")),
+    Tagged("apertus", "<|tools_prefix|>", "<|tools_suffix|>", lambda b, t: _json_list(b, None, "")),
+    Tagged("apriel", "<tool_calls>", "</tool_calls>", lambda b, t: _json_list(b, "name", "arguments")),
+    Tagged("granite_3_3", "<|tool_call|>", "", lambda b, t: _json_list(b, "name", "arguments")),
+    Tagged("lfm2", "<|tool_call_start|>", "<|tool_call_end|>", _pythonic),
+)}
+
+
+def tool_syntax(template: str | None) -> str:
+    """The call syntax a template's model writes: a key of TAGGED, "harmony", "hermes", "mistral" or "json"
+    (checked in llama.cpp's order: the more specific markers first)."""
+    src = template or ""
+    if "<|channel|>" in src:
+        return "harmony"
+    if "<|tool_calls_section_begin|>" in src and "<|tool_call_begin|>" in src:
+        return "kimi_k2"
+    if "tool▁call▁begin" in src:
+        return "deepseek_r1" if "```json" in src else "deepseek_v3_1"
+    if "<arg_key>" in src and "<tool_call>" in src:
+        return "glm_4_5"
+    if "<minimax:tool_call>" in src:
+        return "minimax_m2"
+    if "<seed:tool_call>" in src:
+        return "seed_oss"
+    if "<|START_ACTION|>" in src:
+        return "command_r7b"
+    if "<|tools_prefix|>" in src:
+        return "apertus"
+    if "<tool_calls>" in src:
+        return "apriel"
+    if "<|tool_call|>" in src:
+        return "granite_3_3"
+    if "<|tool_call_start|>" in src:
+        return "lfm2"
+    if "<tool_call>" in src:
+        return "hermes"
+    if "<function=" in src:
+        return "functionary_v3_1"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    return "json"
+
+
+def preserved(template: str | None) -> tuple[str, ...]:
+    """Special-token text the engine must write out for the reply to be read (its syntax's markers)."""
+    syntax = tool_syntax(template)
+    if syntax == "harmony":
+        return HARMONY_MARKERS
+    tagged = TAGGED.get(syntax)
+    if tagged:
+        return tuple(m for m in (tagged.open, tagged.close, *tagged.drop, *tagged.inner) if m)
+    return {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]",)}.get(syntax, ("<|python_tag|>",))
+
+
+def describe(template: str | None) -> str:
+    """What `show` says of a template's reply syntax: its tool calls and, where it has them, reasoning markers."""
+    from localllm.compose.reply import think_markers
+
+    syntax = tool_syntax(template)
+    if syntax == "harmony":
+        return "harmony (gpt-oss channels: reasoning, answer, calls)"
+    markers = think_markers(template)
+    return f"tool calls: {syntax}" + (f"; reasoning: {markers[0]}…{markers[1]}" if markers else "")
