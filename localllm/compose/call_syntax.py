@@ -1,4 +1,4 @@
-"""How each model family writes its tool calls, known from its chat template as llama-server knows it
+"""How each model family writes its tool calls and reasoning, known from its chat template as llama-server knows it
 (llama.cpp's common/chat.cpp looks for the same strings, in the same order).
 
 Three kinds (compose/reply.py reads all of them, streamed and whole):
@@ -25,6 +25,8 @@ from typing import Any
 Types = tuple[tuple[str, str, str], ...]  # (tool, parameter, JSON schema type)
 Call = tuple[str, str, str]  # (id or "", name, arguments as JSON text)
 
+THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"),
+                 ("<|START_THINKING|>", "<|END_THINKING|>"))
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
@@ -239,6 +241,14 @@ TAGGED: dict[str, Tagged] = {t.name: t for t in (
 )}
 
 
+def think_markers(template: str | None) -> tuple[str, str] | None:
+    """The reasoning markers a chat template uses, or None."""
+    for open_, close in THINK_MARKERS:
+        if template and open_ in template and close in template:
+            return open_, close
+    return None
+
+
 def tool_syntax(template: str | None) -> str:
     """The call syntax a template's model writes: a key of TAGGED, "harmony", "hermes", "mistral" or "json"
     (checked in llama.cpp's order: the more specific markers first)."""
@@ -287,8 +297,6 @@ def preserved(template: str | None) -> tuple[str, ...]:
 
 def describe(template: str | None) -> str:
     """What `show` says of a template's reply syntax: its tool calls and, where it has them, reasoning markers."""
-    from localllm.compose.reply import think_markers
-
     syntax = tool_syntax(template)
     if syntax == "harmony":
         return "harmony (gpt-oss channels: reasoning, answer, calls)"

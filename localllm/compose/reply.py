@@ -29,8 +29,6 @@ from typing import Any, Literal
 from localllm.compose.call_syntax import TAGGED, Types, xml_call
 from localllm.compose.harmony import Channels, Piece
 
-THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"),
-                 ("<|START_THINKING|>", "<|END_THINKING|>"))
 HERMES = ("<tool_call>", "</tool_call>")
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
@@ -56,14 +54,6 @@ class ReplyFormat:
     # (Qwen3-Coder's `<function=…><parameter=…>`) has its values typed by them
     param_types: Types = ()
     channels: bool = False
-
-
-def think_markers(template: str | None) -> tuple[str, str] | None:
-    """The reasoning markers a chat template uses, or None."""
-    for open_, close in THINK_MARKERS:
-        if template and open_ in template and close in template:
-            return open_, close
-    return None
 
 
 def handles_tools(template: str | None) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.compose.call_syntax import param_types, tool_syntax
-from localllm.compose.reply import ReplyFormat, think_markers
+from localllm.compose.call_syntax import param_types, think_markers, tool_syntax
+from localllm.compose.reply import ReplyFormat
 from localllm.errors import InvalidInput
 
 # reasoning_effort / think levels → a reasoning budget in tokens (None: unlimited)

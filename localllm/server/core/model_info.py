@@ -27,9 +27,9 @@ import contextlib
 import json
 from typing import Any
 
-from localllm.compose.call_syntax import tool_syntax
+from localllm.compose.call_syntax import think_markers, tool_syntax
 from localllm.compose.formats import ChatFormat, chat_format
-from localllm.compose.reply import handles_tools, think_markers
+from localllm.compose.reply import handles_tools
 from localllm.compose.spec import details, template_override
 from localllm.errors import LocalLLMError
 from localllm.models.gguf_meta import ModelInfo
