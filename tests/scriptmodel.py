@@ -68,7 +68,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def make_script_gguf(path: str | Path, script: list[str], *, template: str = TEMPLATE,
-                     controls: list[str] | None = None) -> Path:
+                     controls: list[str] | None = None, context_length: int = 2048) -> Path:
     """Write a bigram GGUF whose greedy reply after a prompt ending in script[0] is script[1:], then EOS.
     `controls`: pieces that are control tokens (written out only where a detokenizer is told to)."""
     import gguf
@@ -88,7 +88,7 @@ def make_script_gguf(path: str | Path, script: list[str], *, template: str = TEM
     n = len(toks)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-script")
-    w.add_context_length(2048)
+    w.add_context_length(context_length)
     w.add_embedding_length(n)
     w.add_block_count(1)
     w.add_feed_forward_length(64)

@@ -6,7 +6,8 @@ Three kinds (compose/reply.py reads all of them, streamed and whole):
   Hermes, Granite 4, SmolLM3 …; Qwen3-Coder's XML parameters inside it too), "mistral" (`[TOOL_CALLS][…]`),
   "json" (a bare object: Llama 3.x and any template without its own syntax). Their arguments stream as written.
 - a call between literal markers, its body read whole at its close (`Tagged`, below): DeepSeek R1 and V3.1,
-  Kimi K2, GLM 4.5–4.7, Functionary v3.1, MiniMax M2, Seed-OSS, Command-R7B.
+  Kimi K2, GLM 4.5–4.7, Functionary v3.1, MiniMax M2, Seed-OSS, Command-R7B, Apertus, Apriel, Granite 3.3,
+  LFM2, and Mistral's newer `[TOOL_CALLS]NAME[ARGS]{…}`.
 - "harmony": gpt-oss's channels (compose/harmony.py).
 
 The markers are special tokens in most of these vocabularies, which a detokenizer drops: `preserved()` names
@@ -204,6 +205,20 @@ def _name_then_json(sep: str, prefix: str = "") -> Callable[[str, Types], list[C
     return parse
 
 
+def _mistral_args(body: str, types: Types) -> list[Call] | None:
+    """Mistral Small 3.2 / Magistral / Devstral: NAME[ARGS]{…} (or NAME[CALL_ID]ID[ARGS]{…}), the next call after
+    another [TOOL_CALLS]."""
+    calls = []
+    for part in body.split("[TOOL_CALLS]"):
+        head, found, args = part.partition("[ARGS]")
+        name, _, call_id = head.partition("[CALL_ID]")
+        parsed = _json_args(args)
+        if not found or not name.strip() or parsed is None:
+            return None
+        calls.append((call_id.strip(), name.strip(), parsed))
+    return calls
+
+
 @dataclass(frozen=True)
 class Tagged:
     """Calls between literal markers: `open` starts one, `close` ends it ("": the reply's end), `body` reads
@@ -238,6 +253,7 @@ TAGGED: dict[str, Tagged] = {t.name: t for t in (
     Tagged("apriel", "<tool_calls>", "</tool_calls>", lambda b, t: _json_list(b, "name", "arguments")),
     Tagged("granite_3_3", "<|tool_call|>", "", lambda b, t: _json_list(b, "name", "arguments")),
     Tagged("lfm2", "<|tool_call_start|>", "<|tool_call_end|>", _pythonic),
+    Tagged("mistral_args", "[TOOL_CALLS]", "", _mistral_args, inner=("[ARGS]", "[CALL_ID]")),
 )}
 
 
@@ -280,7 +296,7 @@ def tool_syntax(template: str | None) -> str:
     if "<function=" in src:
         return "functionary_v3_1"
     if "[TOOL_CALLS]" in src:
-        return "mistral"
+        return "mistral_args" if "[ARGS]" in src else "mistral"
     return "json"
 
 

@@ -57,6 +57,20 @@ class ChatFormat:
         return self.render(messages, **extra).text
 
 
+class JSONObject(dict[str, Any]):
+    """A tool call's arguments in a template: an object (`arguments | tojson`, `arguments.items()`) that prints
+    and joins text as its JSON, as llama.cpp's Jinja does (Functionary v3.2 writes `'\n' + arguments`)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: Any) -> Any:
+        return str(self) + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + str(self) if isinstance(other, str) else NotImplemented
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: a tool call's arguments as an object (clients send
     OpenAI's JSON string; Qwen's, Llama's and Mistral's templates write `arguments | tojson`)."""
@@ -72,6 +86,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         args = json.loads(fn["arguments"] or "{}")
                     except ValueError:
                         args = fn["arguments"]  # not JSON: the template gets it as it came
+                    args = JSONObject(args) if isinstance(args, dict) else args
                     c = {**c, "function": {**fn, "arguments": args}}
                 fixed.append(c)
             m = {**m, "tool_calls": fixed}

@@ -12,18 +12,19 @@ same way. The caller passes template text and FIM token strings in; nothing here
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError, nodes
+from jinja2 import ChainableUndefined, TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -131,7 +132,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**"})
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
+        # an undefined value's attributes are undefined too (`tool.parameters.properties` of a tool written
+        # another way), as in llama.cpp's Jinja: printed as "", false in a test
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag],
+                         undefined=ChainableUndefined)
         self._local = threading.local()
 
     def _tick(self) -> None:
@@ -140,8 +144,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             raise _TemplateTimeout
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        # lists may grow (llama.cpp's engine allows it, and templates build lists), bounded in call()
-        if isinstance(obj, list) and attr in ("append", "extend"):
+        # lists may grow and shrink (llama.cpp's engine allows it, and templates build lists: Kimi K2 pops),
+        # bounded in call()
+        if isinstance(obj, list) and attr in ("append", "extend", "insert", "pop"):
             return True
         return bool(super().is_safe_attribute(obj, attr, value))
 
@@ -186,8 +191,16 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: Any = None, sort_keys: bool = False) -> str:
-    # HF's tojson: plain json.dumps, no HTML escaping (jinja's own would turn '<' into \u003c).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # HF's tojson: plain json.dumps, no HTML escaping (jinja's own would turn '<' into \u003c). A filter's lazy
+    # result (`tools | map(attribute='function')`) is the list it yields, as in llama.cpp's Jinja.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_json_default)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _text(content: Any) -> str:
@@ -208,6 +221,7 @@ def _env() -> _Sandbox:
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     env.filters["tojson"] = _tojson
     env.filters["text"] = _text
+    env.filters["safe"] = str  # no HTML escaping anywhere: a "..."|safe + text would escape the text (llama.cpp's does not)
     return env
 
 
@@ -237,8 +251,9 @@ def render_chat(template: str, messages: Sequence[dict[str, Any]], *, bos_token:
     except TemplateError as exc:
         raise InvalidInput(f"the chat template does not parse: {exc}",
                            "the model file's template is broken; choose a built-in template") from None
-    variables = dict(extra, messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
-                     add_generation_prompt=add_generation_prompt)
+    # the template works on copies: it may grow and shrink lists (Kimi K2 pops), never the caller's
+    variables = dict(copy.deepcopy(extra), messages=copy.deepcopy(list(messages)), bos_token=bos_token,
+                     eos_token=eos_token, add_generation_prompt=add_generation_prompt)
     deadline = env._local.deadline = time.monotonic() + RENDER_SECONDS
     out: list[str] = []
     size = 0

@@ -43,6 +43,7 @@ _SHAPES = {
     "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.", ":0<|tool_call_argument_begin|>",
                 "<|tool_call_end|><|tool_calls_section_end|>"),
     "functionary_v3_1": ("<function=", ">", "</function>"),
+    "mistral_args": ("[TOOL_CALLS]", "[ARGS]", ""),
     "apertus": ('<|tools_prefix|>[{"', '": ', "}]<|tools_suffix|>"),
     "command_r7b": ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "', '", "parameters": ', "}]<|END_ACTION|>"),
 }

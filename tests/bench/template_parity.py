@@ -75,7 +75,7 @@ def starter_model() -> Path:
 class Localllm:
     """localllm's server in this process over `model`, its --chat-template set per template."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, ctx: int = 2048) -> None:
         import uvicorn
 
         from localllm.config import Settings
@@ -87,7 +87,7 @@ class Localllm:
         store = Store(root / "models")
         digest, size = store.commit_blob(model, move=False)
         store.write_manifest(Manifest(name="model:latest", digest=digest, size=size))
-        self.settings = Settings(slots=1, ctx=2048, threads=2, prompt_cache_disk_bytes=0)
+        self.settings = Settings(slots=1, ctx=ctx, threads=2, prompt_cache_disk_bytes=0)
         self.app = create_app(self.settings, store=store, catalog=Catalog.load(extra=root / "none.toml"))
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))

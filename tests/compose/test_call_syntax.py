@@ -104,6 +104,12 @@ CASES = [
      ('<|tool_call_start|>[Calendar.create_event(title="demo", participants=["Alice", "Bob"], n=-2)]'
      "<|tool_call_end|>"), "", "",
      [("Calendar.create_event", {"title": "demo", "participants": ["Alice", "Bob"], "n": -2})]),
+    ("mistral [ARGS]", ReplyFormat(think=("[THINK]", "[/THINK]"), tools="mistral_args"),
+     '[THINK]I\'m\nthinking[/THINK][TOOL_CALLS]special_function[ARGS]{"arg1":1}', "I'm\nthinking", "", CALL),
+    ("mistral [ARGS] two calls with ids", ReplyFormat(tools="mistral_args"),
+     ('Hello[TOOL_CALLS]special_function[CALL_ID]000000001[ARGS]{"arg1": 1}'
+     '[TOOL_CALLS]get_time[CALL_ID]000000002[ARGS]{"city": "Oslo"}'), "", "Hello",
+     [*CALL, ("get_time", {"city": "Oslo"})]),
     ("hermes (granite 4)", ReplyFormat(tools="hermes"),
      '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>', "", "", CALL),
 ]
@@ -188,6 +194,7 @@ SYNTAX_OF = {  # template marker → syntax, as llama.cpp's common/chat.cpp choo
     "<tool_call><function={{ name }}>": "hermes",
     "<function={{ name }}>{{ args }}</function>": "functionary_v3_1",
     "[TOOL_CALLS]": "mistral",
+    "[TOOL_CALLS]{{ name }}[ARGS]{{ args }}": "mistral_args",
     "{{ messages }}": "json",
 }
 

@@ -151,7 +151,7 @@ def test_hf_globals_raise_exception_and_strftime() -> None:
     "{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-localllm') }}",
     "{{ self._TemplateReference__context }}",
     "{{ lipsum.__globals__['os'].popen('id').read() }}",
-    "{% set x = messages.pop() %}x",  # other mutations stay refused
+    "{% set x = messages[0].clear() %}x",  # other mutations stay refused
     "{{ (0).__class__.__base__ }}",
 ])
 def test_attribute_escapes_are_refused(evil: str, tmp_path) -> None:
@@ -165,6 +165,9 @@ def test_lists_may_grow_within_a_bound() -> None:
     convo = [dict(m) for m in CONVO]
     assert render_chat("{% set x = messages.append({'role': 'user'}) %}{{ messages|length }}", convo) == str(len(CONVO) + 1)
     assert convo == CONVO
+    calls = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    assert render_chat("{% set x = messages[0].tool_calls.pop() %}{{ messages[0].tool_calls|length }}", calls) == "0"
+    assert len(calls[0]["tool_calls"]) == 1  # Kimi K2 pops from its own copy
     with pytest.raises(InvalidInput, match="grew past"):
         render_chat("{% set a = [] %}{% for i in range(60000) %}{{ a.extend([i, i]) or '' }}{% endfor %}", CONVO)
 
@@ -350,3 +353,31 @@ def test_earlier_reasoning_is_kept_as_llama_server_keeps_it() -> None:
     msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Easy."},
             {"role": "user", "content": "3+3?"}]
     assert "<|assistant|><think>Easy.</think>4." in ChatFormat(glm_like, "gguf").render_text(msgs)
+
+
+def test_tojson_of_a_filters_lazy_result() -> None:
+    """DeepSeek R1's template (llama.cpp's llama-cpp-deepseek-r1.jinja) writes `tools | map(attribute='function')
+    | tojson`: the list map yields, as llama-server renders it (before: a 400, "generator is not JSON
+    serializable")."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    out = render_chat("{{ tools | map(attribute='function') | tojson }}{% for m in messages %}{{ m.content }}"
+                      "{% endfor %}", [{"role": "user", "content": "hi"}], tools=tools)
+    assert out == '[{"name": "f", "parameters": {}}]hi'
+
+
+def test_templates_render_as_llama_cpp_renders_them() -> None:
+    """Three of llama.cpp's Jinja habits real templates rely on (issue 29; each a 400 or other text before):
+    `"..."|safe + text` does not HTML-escape the text (Functionary v3.1), an undefined value's attributes are
+    undefined too (Command R+ reads `tool.parameters.properties` of OpenAI-shaped tools), and a tool call's
+    arguments print and join text as JSON (Functionary v3.2 writes `'\\n' + arguments`)."""
+    from localllm.compose.formats import template_messages
+
+    assert render_chat('{{ "a "|safe + messages[0].content }}', [{"role": "user", "content": 'say "hi" & <b>'}]) \
+        == 'a say "hi" & <b>'
+    assert render_chat("{{ messages[0].nope.deeper }}|{% if messages[0].nope.deeper %}y{% endif %}|", CONVO) == "||"
+    call = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": '{"city": "Paris"}'}}]}]
+    out = render_chat("{% for c in messages[0].tool_calls %}{{ '>>>' + c.function.name + '\\n' + c.function.arguments }}"
+                      "|{{ c.function.arguments }}|{{ c.function.arguments | tojson }}|{{ c.function.arguments.city }}"
+                      "{% endfor %}", template_messages(call))
+    assert out == '>>>f\n{"city": "Paris"}|{"city": "Paris"}|{"city": "Paris"}|Paris'
