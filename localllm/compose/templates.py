@@ -328,13 +328,33 @@ def template_caps(template: str) -> TemplateCaps:
 
 def adapt_messages(template: str, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as llama-server hands them to this template: a `developer` message is a system one (but for
-    gpt-oss's harmony templates, which know the role), and a template without a system role gets the system
+    gpt-oss's harmony templates, which know the role), earlier reasoning as `thinking` where gpt-oss's and
+    LFM2's templates read it (llama.cpp's parsers/gpt-oss.cpp, lfm2.cpp) or as a `thinking` content block where
+    Ministral 3's does (parsers/ministral3.cpp; Devstral's template, which renders no blocks for an assistant,
+    keeps its text: llama-server drops it there), and a template without a system role gets the system
     prompt at the head of the first user message (joined by a newline)."""
     out = [dict(m) for m in messages]
-    if "<|channel|>" not in template:
+    harmony = "<|channel|>" in template
+    if not harmony:
         for m in out:
             if m.get("role") == "developer":
                 m["role"] = "system"
+    if harmony or "<|tool_call_start|>" in template:  # gpt-oss's and LFM2's read an earlier turn's `thinking`
+        for m in out:
+            if isinstance(m.get("reasoning_content"), str):
+                m["thinking"] = m["reasoning_content"]
+                if harmony and m.get("tool_calls"):
+                    m.pop("content", None)
+    if "[SYSTEM_PROMPT]" in template and "[ARGS]" in template and "[CALL_ID]" not in template \
+            and "['thinking']" in template:  # Ministral/Magistral 3: reasoning as a `thinking` block of the content
+        for m in out:
+            if m.get("role") in ("system", "assistant"):
+                blocks = [{"type": "thinking", "thinking": m.pop("reasoning_content")}] \
+                    if isinstance(m.get("reasoning_content"), str) else []
+                content = m.get("content")
+                blocks += content if isinstance(content, list) else [{"type": "text", "text": content}] \
+                    if isinstance(content, str) else []
+                m["content"] = blocks
     if out and out[0].get("role") == "system" and not template_caps(template).system_role:
         system = out.pop(0)
         if out:

@@ -381,3 +381,20 @@ def test_templates_render_as_llama_cpp_renders_them() -> None:
                       "|{{ c.function.arguments }}|{{ c.function.arguments | tojson }}|{{ c.function.arguments.city }}"
                       "{% endfor %}", template_messages(call))
     assert out == '>>>f\n{"city": "Paris"}|{"city": "Paris"}|{"city": "Paris"}|Paris'
+
+
+def test_earlier_reasoning_where_each_family_reads_it() -> None:
+    """llama-server hands an earlier turn's reasoning_content to gpt-oss's and LFM2's templates as `thinking`,
+    and to Ministral 3's as a `thinking` block of the content (issue 29: both dropped before)."""
+    from localllm.compose.templates import adapt_messages
+
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "4.", "reasoning_content": "2+2"}]
+    lfm = adapt_messages("<|tool_call_start|>{{ m.thinking }}", turn)
+    assert lfm[1]["thinking"] == "2+2" and lfm[1]["content"] == "4."
+    call = {**turn[1], "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    oss = adapt_messages("<|channel|>", [turn[0], call])
+    assert oss[1]["thinking"] == "2+2" and "content" not in oss[1]  # gpt-oss: a call's turn carries no text
+    ministral = "[SYSTEM_PROMPT][TOOL_CALLS][ARGS]{{ block['thinking'] }}"
+    assert adapt_messages(ministral, turn)[1]["content"] == [{"type": "thinking", "thinking": "2+2"},
+                                                             {"type": "text", "text": "4."}]
+    assert turn[1] == {"role": "assistant", "content": "4.", "reasoning_content": "2+2"}  # the caller's untouched
