@@ -116,6 +116,9 @@ class Settings:
     temperature: float | None = None
     seed: int | None = None
     chat_template: str | None = None
+    # reasoning for requests that do not say (llama-server's --reasoning): "auto" (on where the template
+    # reasons), "on" or "off"
+    reasoning: str = "auto"
     # llama.cpp RPC workers (`localllm worker`) that every model's offloaded layers are split over:
     # "host:port,host:port" (runtime.native.rpc.parse_endpoints); unauthenticated, so loopback or a trusted network
     rpc: str | None = None
@@ -267,6 +270,7 @@ RULES: dict[str, Rule] = {
     "temperature": Rule("float", 0, optional=True),
     "seed": Rule("int", -1, MAX_SEED, optional=True),  # -1: a random seed per request
     "chat_template": Rule("str", optional=True),  # a built-in name or a Jinja file (the CLI checks it)
+    "reasoning": Rule("choice", choices=("auto", "on", "off")),
     "rpc": Rule("str", optional=True),  # host:port,... (the CLI checks them)
 }
 _BY_TYPE = {"int": Rule("int"), "int | None": Rule("int", optional=True), "bool": Rule("bool"),

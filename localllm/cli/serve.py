@@ -156,6 +156,8 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 @click.option("--chat-template", type=Setting("chat_template"), callback=_flag_check("chat_template"),
               help="Chat template for every model instead of its own: a built-in name (chatml, gemma, llama3, "
               "mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
+@click.option("--reasoning", type=Setting("reasoning"), help="Reasoning for requests that do not say: auto (on "
+              "where the model's template reasons), on or off (llama-server's --reasoning; LOCALLLM_REASONING).")
 @click.option("--rpc", type=Setting("rpc"), callback=_flag_check("rpc"), metavar="HOST:PORT[,HOST:PORT...]",
               help="Split every model's offloaded layers over these llama.cpp RPC workers (`localllm worker`); "
               "needs a build with RPC (bash native/build.sh rpc). Unauthenticated: loopback or a trusted "
@@ -163,7 +165,7 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
           draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None, slots: int | None,
           n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None,
-          rpc: str | None) -> None:
+          reasoning: str | None, rpc: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -178,7 +180,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     # every setting is checked here, before the server is imported, built or bound
     settings = _settings(host, port, draft=draft, lookup=lookup, lookup_auto=False if lookup is False else None, draft_max=draft_max, cpu_kernels=cpu_kernels,
                          model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
-                         chat_template=chat_template, rpc=rpc)
+                         chat_template=chat_template, reasoning=reasoning, rpc=rpc)
     if settings.rpc:
         _check_rpc(settings.rpc)
 

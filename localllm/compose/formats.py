@@ -33,6 +33,14 @@ class ChatFormat:
     bos_token: str = ""  # the model's BOS/EOS as text, for templates that write them ({{ bos_token }})
     eos_token: str = ""
 
+    def render_history(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """The messages as the template writes them, with no generation prompt after them."""
+        if self.template is None:
+            return "\n\n".join(str(m.get("content") or "") for m in messages)
+        messages = templates.adapt_messages(self.template, messages)
+        return templates.render_chat(self.template, messages, add_generation_prompt=False, bos_token=self.bos_token,
+                                     eos_token=self.eos_token, **templates.template_context(self.template, extra))
+
     def render(self, messages: list[dict[str, Any]], **extra: Any) -> templates.ChatParts:
         """The prompt text and its system prefix (what a context shift keeps).
 

@@ -84,6 +84,7 @@ class Defaults:
 
     sampling: dict[str, Any] = field(default_factory=dict)  # PARAM_KEYS values
     max_tokens: int | None = None  # None / -1: until the model stops
+    think: bool | None = None  # reasoning on / off for requests that do not say; None: the template's default
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,14 @@ class _Rendering:
     think: bool | None
     budget: int | None
 
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, ReplyFormat, str]:
-        """(the prompt text, how its reply is written, the system prefix)."""
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> tuple[str, ReplyFormat, str]:
+        """(the prompt text, how its reply is written, the system prefix). Without the generation prompt
+        (/apply-template's add_generation_prompt false) the messages are rendered as they are."""
         extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         if self.think is not None:
             extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
+        if not generation_prompt:
+            return self.fmt.render_history(messages, **extra), ReplyFormat(), ""
         parts = self.fmt.render(messages, **extra)
         text, fmt = reply_plan(parts.text, self.fmt.template, think=self.think, budget=self.budget,
                                tools=self.tools or False)
@@ -124,10 +128,10 @@ class RequestBuilder:
         return self._chat(messages, options, tools=tools, policy=policy, truncatable=True)
 
     def render_chat(self, messages: list[dict[str, Any]], options: Options, *,
-                    tools: list[Any] | None = None) -> str:
+                    tools: list[Any] | None = None, generation_prompt: bool = True) -> str:
         """The prompt text a chat request renders to, exactly as chat() sends it (llama.cpp's
         /apply-template)."""
-        return self._rendering(options, tools).render(self._messages(messages))[0]
+        return self._rendering(options, tools).render(self._messages(messages), generation_prompt)[0]
 
     def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not messages:
@@ -135,7 +139,8 @@ class RequestBuilder:
         return template_messages(messages)
 
     def _rendering(self, options: Options, tools: list[Any] | None) -> _Rendering:
-        think, budget = thinking(options.think, options.reasoning_budget)
+        think, budget = thinking(self.defaults.think if options.think is None else options.think,
+                                 options.reasoning_budget)
         choice = tool_choice(options.tool_choice, tools)
         tools = tools if tools and choice != "none" else None
         forced = bool(tools) and choice not in ("auto", "none")

@@ -233,10 +233,11 @@ class Composer:
         return fmt
 
     def defaults(self) -> Defaults:
-        """The server-wide request defaults from the settings (`serve --temp/--seed/--n-predict`)."""
+        """The server-wide request defaults from the settings (`serve --temp/--seed/--n-predict/--reasoning`)."""
         s = self.settings
         sampling = {"temperature": s.temperature, "seed": s.seed}
-        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict)
+        think = {"on": True, "off": False}.get(s.reasoning)
+        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict, think)
 
     def builder(self, name: str, engine: ModelEngine) -> RequestBuilder | RemoteBuilder:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:

@@ -121,6 +121,17 @@ class _GenerationTag(Extension):
 MAX_LIST_GROWTH = 100_000  # items a template may append to one list (Kimi K2's templates build lists)
 
 
+class _Undefined(ChainableUndefined):
+    """llama.cpp's undefined: its attributes are undefined too, and joined to text it adds nothing
+    (firefunction v2 writes `"…" + functions` where llama-server gives no `functions`)."""
+
+    def __add__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else super().__add__(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else super().__radd__(other)
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """HF's environment (trim_blocks, lstrip_blocks, loop controls) with hard limits.
 
@@ -135,7 +146,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         # an undefined value's attributes are undefined too (`tool.parameters.properties` of a tool written
         # another way), as in llama.cpp's Jinja: printed as "", false in a test
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag],
-                         undefined=ChainableUndefined)
+                         undefined=_Undefined)
         self._local = threading.local()
 
     def _tick(self) -> None:

@@ -328,3 +328,15 @@ def test_logit_bias_forms(http: httpx.Client) -> None:
         r = http.post("/completion", json=body | {"logit_bias": bad})
         assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], (bad, r.text)
     assert "vocabulary" in http.post("/completion", json=body | {"logit_bias": [[10**6, 1]]}).json()["error"]["message"]
+
+
+def test_chat_stream_deltas_never_carry_empty_content(http: httpx.Client) -> None:
+    """llama.cpp's suite (utils.py make_any_request) refuses a delta whose content is "": the opening delta
+    says the role with content null, as llama-server's does (it was "" before)."""
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    lines = http.post("/v1/chat/completions", json=body).text.splitlines()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    events = [e for e in events if e.get("choices")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert all(d.get("content") is None or d["content"] for d in deltas)

@@ -140,6 +140,24 @@ def test_chat_template_by_name_and_from_a_file(tmp_path: Path, running_server: C
         "content": out, "add_special": True}).json()["tokens"])
 
 
+def test_reasoning_default_and_history_without_generation_prompt(tmp_path: Path,
+                                                                  running_server: Callable[..., Server]) -> None:
+    """llama-server's `--reasoning off` (a request that does not say gets enable_thinking false) and
+    /apply-template's add_generation_prompt false (llama.cpp's test_template.py; both ignored before)."""
+    jinja = tmp_path / "think.jinja"
+    jinja.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}"
+                     "[assistant]{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+                     "{% endif %}{# <think></think> #}", encoding="utf-8")
+    msgs = {"model": TINY, "messages": [{"role": "user", "content": "hi"}]}
+    (tmp_path / "off").mkdir(), (tmp_path / "auto").mkdir()
+    off = running_server(tmp_path / "off", chat_template=str(jinja), reasoning="off")
+    auto = running_server(tmp_path / "auto", chat_template=str(jinja))
+    prompt = lambda url, **kw: httpx.post(url + "/apply-template", json=msgs | kw, timeout=60).json()["prompt"]
+    assert prompt(off.url) == "[user]hi[assistant]<think></think>"
+    assert prompt(off.url, think=True) == prompt(auto.url) == "[user]hi[assistant]"  # the request's own value wins
+    assert prompt(auto.url, add_generation_prompt=False) == "[user]hi"
+
+
 # ---- the command line: flags, LOCALLLM_* and config.toml reach the settings; bad values exit 2 ----------
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch, tiny_path: Path) -> dict[str, Any]:
@@ -158,11 +176,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch, tiny_path: Path) -> dict[str, Any]
 
 def test_serve_flags_reach_the_settings(recorded: dict[str, Any], tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["serve", "-m", "tiny", "--temp", "0", "-n", "5", "-s", "42", "-c", "2048",
-                                   "-np", "2", "--chat-template", "chatml"])
+                                   "-np", "2", "--chat-template", "chatml", "--reasoning", "off"])
     assert res.exit_code == 0, res.output
     s = recorded["settings"]
-    assert (s.model, s.temperature, s.n_predict, s.seed, s.ctx, s.slots, s.chat_template) == \
-        ("tiny", 0.0, 5, 42, 2048, 2, "chatml")
+    assert (s.model, s.temperature, s.n_predict, s.seed, s.ctx, s.slots, s.chat_template, s.reasoning) == \
+        ("tiny", 0.0, 5, 42, 2048, 2, "chatml", "off")
     recorded.clear()
     env = {"LOCALLLM_TEMPERATURE": "0.25", "LOCALLLM_N_PREDICT": "-1", "LOCALLLM_MODEL": TINY}
     res = CliRunner().invoke(cli, ["serve", "--seed", "-1"], env=env)

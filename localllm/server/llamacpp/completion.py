@@ -118,6 +118,7 @@ class TemplateBody(Body):
     think: Any = None
     reasoning_effort: str | None = None
     reasoning_budget: int | None = None
+    add_generation_prompt: bool = True
 
 
 def extra_chunks(value: Any) -> list[tuple[str, str]]:
@@ -411,4 +412,5 @@ async def apply_template(body: TemplateBody, request: Request) -> dict[str, Any]
         if not isinstance(builder, RequestBuilder):
             raise InvalidInput(f"{lease.name} is a remote model: its template lives on the upstream")
         # the whole chat request, rendered as /v1/chat/completions renders it (tools, thinking, tool choice)
-        return {"prompt": await run_in_threadpool(builder.render_chat, body.messages, options, tools=body.tools)}
+        return {"prompt": await run_in_threadpool(builder.render_chat, body.messages, options, tools=body.tools,
+                                                  generation_prompt=body.add_generation_prompt)}

@@ -258,7 +258,7 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
     try:
         for i in range(n):
             if chat:
-                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": None},
                                                  "logprobs": None, "finish_reason": None}]})
             elif echo:
                 yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})

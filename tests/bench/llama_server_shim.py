@@ -1,0 +1,93 @@
+"""llama-server's command line, for llama.cpp's own server test suite (tools/server/tests), run either as
+`localllm serve` or as the real llama-server, one local GGUF standing in for every model the suite would
+download (there is no network here). tests/bench/llama_suite.py writes a `llama-server` wrapper that runs
+this file and points the suite at it (LLAMA_SERVER_BIN_PATH).
+
+Environment: SHIM_TARGET "localllm" or "llama-server"; SHIM_MODEL the GGUF; SHIM_LLAMA_SERVER the real
+binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "localllm").
+
+Mapped for localllm: --host, --port, -c/--ctx-size, -np/--parallel, -n/--n-predict, --temp, -s/--seed,
+--chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name).
+Every other flag is dropped: localllm has no equivalent, or its behaviour is localllm's default (--jinja,
+--metrics, --slots, --kv-unified, --cont-batching).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# flags of tools/server/tests/utils.py that take a value
+VALUED = {"--port", "--host", "--temp", "--seed", "-s", "--model", "-m", "--model-url", "--model-draft", "--hf-repo",
+          "-hf", "--hf-file", "-hff", "--models-dir", "--models-max", "--models-preset", "--cors-origins",
+          "--batch-size", "-b", "--ubatch-size", "-ub", "--threads", "-t", "--n-gpu-layers", "-ngl", "--pooling",
+          "--alias", "-a", "--tags", "--ctx-size", "-c", "--parallel", "-np", "-ctk", "-ctv", "-fa", "--n-predict", "-n",
+          "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora", "--spec-type", "--api-key",
+          "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len", "--spec-synth-rates", "--reasoning-format",
+          "--reasoning", "--chat-template", "--chat-template-file", "--mmproj-url", "--media-path",
+          "--sleep-idle-seconds", "--cache-ram", "--tools", "--tools-runtime", "--mcp-servers-config",
+          "--mcp-servers-json"}
+KEPT = {"--host": "--host", "--port": "--port", "-c": "-c", "--ctx-size": "-c", "-np": "-np", "--parallel": "-np",
+        "-n": "-n", "--n-predict": "-n", "--temp": "--temp", "-s": "--seed", "--seed": "--seed",
+        "--chat-template": "--chat-template", "--chat-template-file": "--chat-template", "--reasoning": "--reasoning"}
+MODEL_FLAGS = {"--model", "-m", "--model-url", "--hf-repo", "-hf", "--hf-file", "-hff", "--model-draft"}
+
+
+def pairs(argv: list[str]) -> list[tuple[str, str | None]]:
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i]
+        if flag in VALUED and i + 1 < len(argv):
+            out.append((flag, argv[i + 1]))
+            i += 2
+        else:
+            out.append((flag, None))
+            i += 1
+    return out
+
+
+def llama_server(argv: list[str]) -> list[str]:
+    """The real llama-server, with the stand-in model instead of a download (and no repacking: it dies with
+    SIGILL on AMX Xeons otherwise)."""
+    out = [os.environ["SHIM_LLAMA_SERVER"], "-m", os.environ["SHIM_MODEL"], "--no-repack"]
+    for flag, value in pairs(argv):
+        if flag in MODEL_FLAGS or flag == "--offline":
+            continue
+        out += [flag] if value is None else [flag, value]
+    return out
+
+
+def localllm(argv: list[str]) -> list[str]:
+    alias = "tinyllama-2"
+    out = [sys.executable, "-m", "localllm", "serve"]
+    for flag, value in pairs(argv):
+        if flag in ("--alias", "-a") and value:
+            alias = value
+        elif flag in KEPT and value is not None:
+            if flag == "--temp" and float(value) == 0.0:
+                value = "0"
+            out += [KEPT[flag], value]
+    install(alias)
+    return [*out, "-m", alias]
+
+
+def install(alias: str) -> None:
+    """The stand-in GGUF under `alias` in the shim's store (once; the blob is shared)."""
+    from localllm.models.names import normalize
+    from localllm.models.store import Manifest, Store
+
+    store, name = Store(), normalize(alias)
+    if store.get(name) is None:
+        digest, size = store.commit_blob(Path(os.environ["SHIM_MODEL"]), move=False)
+        store.write_manifest(Manifest(name=name, digest=digest, size=size))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    cmd = llama_server(argv) if os.environ.get("SHIM_TARGET") == "llama-server" else localllm(argv)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
