@@ -95,6 +95,11 @@ def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         DEEPSEEK_CALLER,
         DEEPSEEK_CONTROLS,
         DEEPSEEK_TEMPLATE,
+        GEMMA4_CALLER,
+        GEMMA4_CONTROLS,
+        GEMMA4_TEMPLATE,
+        GLM_CALLER,
+        GLM_TEMPLATE,
         HARMONY_CALLER,
         HARMONY_CONTROLS,
         HARMONY_TEMPLATE,
@@ -108,7 +113,9 @@ def script_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     models = {"thinker": (THINKER, TEMPLATE, []), "caller": (CALLER, TEMPLATE, []), "coder": (CODER, TEMPLATE, []),
               "oss-thinker": (HARMONY_THINKER, HARMONY_TEMPLATE, HARMONY_CONTROLS),
               "oss-caller": (HARMONY_CALLER, HARMONY_TEMPLATE, HARMONY_CONTROLS),
-              "deepseek-caller": (DEEPSEEK_CALLER, DEEPSEEK_TEMPLATE, DEEPSEEK_CONTROLS)}
+              "deepseek-caller": (DEEPSEEK_CALLER, DEEPSEEK_TEMPLATE, DEEPSEEK_CONTROLS),
+              "gemma4-caller": (GEMMA4_CALLER, GEMMA4_TEMPLATE, GEMMA4_CONTROLS),
+              "glm-caller": (GLM_CALLER, GLM_TEMPLATE, [])}
     with serving(root) as info:
         for name, (script, template, controls) in models.items():
             gguf = make_script_gguf(root / f"{name}.gguf", script, template=template, controls=controls)

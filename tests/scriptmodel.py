@@ -58,6 +58,18 @@ DEEPSEEK_CONTROLS = ["<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜t
                      "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
 DEEPSEEK_CALLER = ["<｜Assistant｜>", "Checking.", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "get_weather",
                    "<｜tool▁sep｜>", '{"city": "Paris", "unit": "C"}', "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
+# Gemma 4: reasoning opens with "<|channel>" (a control token) and the word "thought", and calls write their
+# arguments in Gemma's own notation
+GEMMA4_TEMPLATE = (
+    "{%- for m in messages %}<|turn>{{ m.role }}\n{{ m.content or '' }}<turn|>\n{% endfor %}"
+    "{#- '<|tool_call>call:' '<|channel>thought' '<channel|>' #}{%- if add_generation_prompt %}<|turn>model\n{% endif %}")
+GEMMA4_CONTROLS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>"]
+GEMMA4_CALLER = ["model\n", "<|channel>", "thought\nI need the weather.", "<channel|>", "<|tool_call>",
+                 'call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>C<|"|>}', "<tool_call|>"]
+# GLM 4.5-4.7: a call's arguments as <arg_key>/<arg_value> pairs (its template names both tags)
+GLM_TEMPLATE = TEMPLATE + "{#- <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call> #}"
+GLM_CALLER = [HEAD, "<tool_call>", "get_weather", "\n", "<arg_key>", "city", "</arg_key>\n<arg_value>", "Paris",
+              "</arg_value>\n", "</tool_call>"]
 THINKER_REPLY = ("Let me think it over.", "The answer is 42.")
 CALLER_CALL = ("get_weather", '{"city": "Paris", "unit": "C"}')
 WEATHER_TOOL = {"type": "function", "function": {

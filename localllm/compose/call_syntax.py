@@ -27,7 +27,7 @@ Types = tuple[tuple[str, str, str], ...]  # (tool, parameter, JSON schema type)
 Call = tuple[str, str, str]  # (id or "", name, arguments as JSON text)
 
 THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"),
-                 ("<|START_THINKING|>", "<|END_THINKING|>"))
+                 ("<|START_THINKING|>", "<|END_THINKING|>"), ("<|channel>thought", "<channel|>"))
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
@@ -205,6 +205,69 @@ def _name_then_json(sep: str, prefix: str = "") -> Callable[[str, Types], list[C
     return parse
 
 
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAM = re.compile(r'<｜DSML｜parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.DOTALL)
+
+
+def _dsml(body: str, types: Types) -> list[Call] | None:
+    """DeepSeek V3.2 / V4: `<｜DSML｜invoke name="NAME">` + `<｜DSML｜parameter name="K" string="true|false">V`; a
+    value marked string="false" is JSON."""
+    calls = []
+    for name, inner in _DSML_INVOKE.findall(body):
+        args: dict[str, Any] = {}
+        for key, is_string, value in _DSML_PARAM.findall(inner):
+            try:
+                args[key] = value if is_string != "false" else json.loads(value)
+            except ValueError:
+                args[key] = value
+        calls.append(("", name, json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+_G4_STRING = '<|"|>'
+
+
+def _gemma4_json(text: str) -> str:
+    """Gemma 4's argument notation as JSON: strings between <|"|> marks, keys bare, the rest as JSON writes it."""
+    out: list[str] = []
+    opened: list[str] = []  # the brackets open here, innermost last: a key follows "{" or "," inside an object
+    i, expect_key = 0, False
+    while i < len(text):
+        if text.startswith(_G4_STRING, i):
+            end = text.find(_G4_STRING, i + len(_G4_STRING))
+            if end < 0:
+                raise ValueError("an unterminated string")
+            out.append(json.dumps(text[i + len(_G4_STRING):end], ensure_ascii=False))
+            i, expect_key = end + len(_G4_STRING), False
+            continue
+        ch = text[i]
+        if expect_key and not ch.isspace() and ch != "}":
+            end = text.index(":", i)
+            out.append(json.dumps(text[i:end].strip()))
+            i, expect_key = end, False
+            continue
+        if ch in "{[":
+            opened.append(ch)
+        elif ch in "}]" and opened:
+            opened.pop()
+        expect_key = ch in "{," and bool(opened) and opened[-1] == "{"
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _gemma4(body: str, types: Types) -> list[Call] | None:
+    """Gemma 4: `call:NAME{key:value,…}`."""
+    m = re.match(r"\s*call:([^{\s]+)(\{.*\})\s*$", body, re.DOTALL)
+    if m is None:
+        return None
+    try:
+        args = json.loads(_gemma4_json(m.group(2)))
+    except ValueError:
+        return None
+    return [("", m.group(1), json.dumps(args, ensure_ascii=False))] if isinstance(args, dict) else None
+
+
 def _mistral_args(body: str, types: Types) -> list[Call] | None:
     """Mistral Small 3.2 / Magistral / Devstral: NAME[ARGS]{…} (or NAME[CALL_ID]ID[ARGS]{…}), the next call after
     another [TOOL_CALLS]."""
@@ -234,6 +297,7 @@ class Tagged:
     inner: tuple[str, ...] = ()
 
 
+_DSML_TAGS = ("<｜DSML｜invoke", "</｜DSML｜invoke>", "<｜DSML｜parameter", "</｜DSML｜parameter>")
 _DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 TAGGED: dict[str, Tagged] = {t.name: t for t in (
     Tagged("deepseek_r1", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
@@ -254,6 +318,9 @@ TAGGED: dict[str, Tagged] = {t.name: t for t in (
     Tagged("granite_3_3", "<|tool_call|>", "", lambda b, t: _json_list(b, "name", "arguments")),
     Tagged("lfm2", "<|tool_call_start|>", "<|tool_call_end|>", _pythonic),
     Tagged("mistral_args", "[TOOL_CALLS]", "", _mistral_args, inner=("[ARGS]", "[CALL_ID]")),
+    Tagged("deepseek_v3_2", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _dsml, inner=_DSML_TAGS),
+    Tagged("deepseek_v4", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _dsml, inner=_DSML_TAGS),
+    Tagged("gemma4", "<|tool_call>", "<tool_call|>", _gemma4, inner=(_G4_STRING,)),
 )}
 
 
@@ -271,6 +338,10 @@ def tool_syntax(template: str | None) -> str:
     src = template or ""
     if "<|channel|>" in src:
         return "harmony"
+    if "dsml_token" in src and "DSML" in src:
+        return "deepseek_v4" if "'tool_calls>" in src else "deepseek_v3_2"
+    if "'<|tool_call>call:'" in src:
+        return "gemma4"
     if "<|tool_calls_section_begin|>" in src and "<|tool_call_begin|>" in src:
         return "kimi_k2"
     if "tool▁call▁begin" in src:

@@ -50,11 +50,28 @@ _SHAPES = {
 _WRAP.update({"apriel": '"<tool_calls>[" call "]</tool_calls>"', "granite_3_3": '"<|tool_call|>[" call "]"'})
 
 
+# the syntaxes whose arguments are key/value text: (before the name, after it, before a key, between a key and its
+# value, after a value, after the call); a value is text up to the next tag (the parser types it by the schema)
+_XML_SHAPES = {
+    "glm_4_5": ("<tool_call>", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"),
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="', '">\n', '<parameter name="', '">', "</parameter>\n",
+                   "</invoke>\n</minimax:tool_call>"),
+    "seed_oss": ("<seed:tool_call>\n<function=", ">\n", "<parameter=", ">", "</parameter>\n",
+                 "</function>\n</seed:tool_call>"),
+    "deepseek_v3_2": ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="', '">\n', '<｜DSML｜parameter name="',
+                      '" string="true">', "</｜DSML｜parameter>\n", "</｜DSML｜invoke>\n</｜DSML｜function_calls>"),
+    "deepseek_v4": ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="', '">\n', '<｜DSML｜parameter name="',
+                    '" string="true">', "</｜DSML｜parameter>\n", "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"),
+}
+
+
 def call_grammar(tools: list[Any], choice: str | dict[str, Any], syntax: str, tokens: frozenset[str] = frozenset()) -> str:
     """GBNF for one call in `syntax` (compose/call_syntax.py tool_syntax). `tokens`: markers that are one token
     of the model's vocabulary, matched as that token (else a model could spell them out byte by byte)."""
     if syntax in _SHAPES:
         return _shaped(tools, choice, syntax, tokens)
+    if syntax in _XML_SHAPES:
+        return _keyed(tools, choice, syntax, tokens)
     if syntax not in _WRAP:
         raise InvalidInput(f"tool_choice required or named is not supported for this model's call syntax ({syntax})",
                            'send tool_choice "auto": the model calls a tool in its own syntax and the reply is read')
@@ -72,6 +89,20 @@ def _shaped(tools: list[Any], choice: str | dict[str, Any], syntax: str, tokens:
         rules.append(_prefixed(json_schema_to_gbnf(json.dumps(params)), f"t{i}-"))
         alts.append(f"{before} {_literal(name, frozenset())} {between} t{i}-root {after}")
     return "root ::= " + " | ".join(f"( {a} )" for a in alts) + "\n" + "\n".join(rules)
+
+
+def _keyed(tools: list[Any], choice: str | dict[str, Any], syntax: str, tokens: frozenset[str]) -> str:
+    """Key/value calls: one alternative per allowed tool, its parameters' names as the keys. The values are free
+    text (the schema's types are applied when the call is read), so this grammar holds the shape, not the types."""
+    before, after_name, key_open, key_close, value_close, end = (_literal(t, tokens) for t in _XML_SHAPES[syntax])
+    alts, rules = [], []
+    for i, option in enumerate(_options(call_schema(tools, choice))):
+        name, params = option["properties"]["name"]["const"], option["properties"]["arguments"]
+        keys = [k for k in (params.get("properties") or {}) if isinstance(k, str)]
+        key = " | ".join(_literal(k, frozenset()) for k in keys) or '""'
+        rules.append(f"t{i}-arg ::= {key_open} ( {key} ) {key_close} value {value_close}")
+        alts.append(f"{before} {_literal(name, frozenset())} {after_name} t{i}-arg* {end}")
+    return "root ::= " + " | ".join(f"( {a} )" for a in alts) + "\nvalue ::= [^<]*\n" + "\n".join(rules)
 
 
 def _literal(text: str, tokens: frozenset[str]) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -76,13 +77,24 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
                                                               + ARGS + ', "id": "abcDEF123"}]']),
     "Mistral Small 3.2 ([ARGS])": ("Mistral-Small-3.2-24B-Instruct-2506", ["[TOOL_CALLS]", "get_weather", "[ARGS]",
                                                                           ARGS]),
+    "Gemma 4": ("google-gemma-4-31B-it", ["<|channel>", "thought\nLet me check.", "<channel|>", "<|tool_call>",
+                                         'call:get_weather{city:<|"|>Paris<|"|>}', "<tool_call|>"]),
+    "DeepSeek V3.2 (DSML)": ("deepseek-ai-DeepSeek-V3.2", [
+        "Let me check.", "</think>", "<｜DSML｜function_calls>", '\n<｜DSML｜invoke name="get_weather">\n',
+        '<｜DSML｜parameter name="city" string="true">', "Paris", "</｜DSML｜parameter>", "\n</｜DSML｜invoke>\n",
+        "</｜DSML｜function_calls>"]),
+    "DeepSeek V4 (DSML)": ("deepseek-ai-DeepSeek-V4", [
+        "Let me check.", "</think>", "<｜DSML｜tool_calls>", '\n<｜DSML｜invoke name="get_weather">\n',
+        '<｜DSML｜parameter name="city" string="true">', "Paris", "</｜DSML｜parameter>", "\n</｜DSML｜invoke>\n",
+        "</｜DSML｜tool_calls>"]),
     "Llama 3.1 (JSON)": ("meta-llama-Llama-3.1-8B-Instruct", ['{"name": "get_weather", "parameters": ' + ARGS + "}"]),
 }
 
 
 def is_control(piece: str) -> bool:
+    gemma4 = re.fullmatch(r"<\|[a-z_]+>|<[a-z_]+\|>|</?｜DSML｜[a-z_]+>", piece) is not None  # <|tool_call>, <channel|>
     return (piece.startswith("<|") and piece.endswith("|>")) or (piece.startswith("<｜") and piece.endswith("｜>")) \
-        or (piece.startswith("[") and piece.endswith("]") and piece[1:-1].isupper() and "{" not in piece)
+        or (piece.startswith("[") and piece.endswith("]") and piece[1:-1].isupper() and "{" not in piece) or gemma4
 
 
 def last_token_text(gguf: Path, prompt: str) -> str:

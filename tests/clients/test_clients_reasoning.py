@@ -292,12 +292,13 @@ def test_script_model_is_what_it_says(tmp_path: Path) -> None:
     assert model.detokenize([ids[-1]]) == "assistant\n"
 
 
-@pytest.mark.parametrize("model", ["oss-caller", "deepseek-caller"])
+@pytest.mark.parametrize("model", ["oss-caller", "deepseek-caller", "gemma4-caller"])
 def test_control_token_call_syntaxes_through_every_door(model: str, oai: openai.OpenAI, script_srv: Server) -> None:
     """gpt-oss's harmony call (issue 29: before, the whole header and JSON were the answer) and DeepSeek's call,
     whose markers are control tokens the detokenizer drops unless the request keeps its syntax's markers
     (llama-server's preserved_tokens; before: "Checking.<｜tool▁call▁begin｜>get_weather{…" as text with the
-    separator gone). OpenAI whole and streamed, Ollama, Anthropic."""
+    separator gone), and Gemma 4's (reasoning opens with a control token and a word, "<|channel>thought": before,
+    "thought\nI need…" was the answer). OpenAI whole and streamed, Ollama, Anthropic."""
     import anthropic
 
     want = ("get_weather", {"city": "Paris", "unit": "C"})
@@ -305,6 +306,8 @@ def test_control_token_call_syntaxes_through_every_door(model: str, oai: openai.
     r = oai.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL])  # type: ignore[arg-type,list-item]
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.content == text
+    if model == "gemma4-caller":
+        assert (msg.model_extra or {}).get("reasoning_content") == "I need the weather."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []] == [want]  # type: ignore[union-attr]
     _, content, calls, reason = _stream(oai, model=model, messages=USER, tools=[WEATHER_TOOL])
     assert (content, reason) == (text or "", "tool_calls")
@@ -343,3 +346,15 @@ def test_forced_calls_in_the_models_own_syntax(model: str, oai: openai.OpenAI) -
         assert r.choices[0].finish_reason == "tool_calls"
         assert [c.function.name for c in calls] == ["pick"]  # type: ignore[union-attr]
         assert json.loads(calls[0].function.arguments)["color"] in ("red", "blue")  # type: ignore[union-attr]
+
+
+def test_glm_calls_auto_and_forced(oai: openai.OpenAI) -> None:
+    """GLM's key/value calls: read as written (auto), and a forced call's grammar (its tags, the tool's parameter
+    names, free-text values) lets the model write them; the value is typed when read."""
+    want = [("get_weather", {"city": "Paris"})]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = oai.chat.completions.create(model="glm-caller", messages=USER, tools=[WEATHER_TOOL],  # type: ignore[arg-type,list-item]
+                                        tool_choice=choice, max_tokens=64)  # type: ignore[arg-type]
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls", choice
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want  # type: ignore[union-attr]

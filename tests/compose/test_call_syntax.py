@@ -110,6 +110,20 @@ CASES = [
      ('Hello[TOOL_CALLS]special_function[CALL_ID]000000001[ARGS]{"arg1": 1}'
      '[TOOL_CALLS]get_time[CALL_ID]000000002[ARGS]{"city": "Oslo"}'), "", "Hello",
      [*CALL, ("get_time", {"city": "Oslo"})]),
+    ("gemma 4", ReplyFormat(think=("<|channel>thought", "<channel|>"), tools="gemma4"),
+     ("<|channel>thought\nI'm\nthinking<channel|>Sure.<|tool_call>call:get_time{city:<|\"|>San Francisco<|\"|>}"
+     "<tool_call|>"), "I'm\nthinking", "Sure.", [("get_time", {"city": "San Francisco"})]),
+    ("gemma 4 values", ReplyFormat(tools="gemma4"),
+     ("<|tool_call>call:set_config{config:{theme:<|\"|>dark, \"x\"<|\"|>,count:3},todos:[<|\"|>a<|\"|>,<|\"|>b<|\"|>],"
+     "n:-1.5e10,on:true,none:null}<tool_call|><|tool_call>call:empty_args{}<tool_call|>"), "", "",
+     [("set_config", {"config": {"theme": 'dark, "x"', "count": 3}, "todos": ["a", "b"], "n": -1.5e10, "on": True,
+                      "none": None}), ("empty_args", {})]),
+    ("deepseek v3.2 (DSML)", ReplyFormat(think=THINK, in_reasoning=True, tools="deepseek_v3_2"),
+     ("Let me check the time</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_time\">\n"
+     "<｜DSML｜parameter name=\"city\" string=\"true\">Tokyo</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+     "<｜DSML｜invoke name=\"special_function\">\n<｜DSML｜parameter name=\"arg1\" string=\"false\">1</｜DSML｜parameter>\n"
+     "</｜DSML｜invoke>\n</｜DSML｜function_calls>"), "Let me check the time", "",
+     [("get_time", {"city": "Tokyo"}), *CALL]),
     ("hermes (granite 4)", ReplyFormat(tools="hermes"),
      '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>', "", "", CALL),
 ]
@@ -187,6 +201,9 @@ SYNTAX_OF = {  # template marker → syntax, as llama.cpp's common/chat.cpp choo
     "<minimax:tool_call><invoke name=": "minimax_m2",
     "<seed:tool_call><function=": "seed_oss",
     "<|START_ACTION|>": "command_r7b",
+    "{{- '<|tool_call>call:' + name -}}": "gemma4",
+    "{%- set dsml_token = '｜DSML｜' -%}{{ '<' + dsml_token + 'function_calls>' }}": "deepseek_v3_2",
+    "{%- set dsml_token = '｜DSML｜' -%}{{ '<' + dsml_token + 'tool_calls>' }}": "deepseek_v4",
     "<|tools_prefix|>": "apertus",
     "<tool_calls>[...]</tool_calls>": "apriel",
     "<|tool_call|>": "granite_3_3",

@@ -138,9 +138,9 @@ class Engine(ThreadSubmit):
         return Stream(state, request.id, self._wake, list(prompt))
 
     def _special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
-        """The tokens that are exactly these texts (a text the vocabulary splits is written as text anyway)."""
-        ids = (self.tokenize(t, add_special=False, parse_special=True) for t in texts)
-        return frozenset(t[0] for t in ids if len(t) == 1)
+        """The tokens these texts are made of (Gemma 4's "<|channel>thought" is a control token and a word):
+        written out as text, whatever their kind."""
+        return frozenset(t for text in texts for t in self.tokenize(text, add_special=False, parse_special=True))
 
     def generate(self, request: Request) -> Result:
         return self.submit(request).result()
