@@ -7,7 +7,8 @@ Environment: SHIM_TARGET "localllm" or "llama-server"; SHIM_MODEL the GGUF; SHIM
 binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "localllm").
 
 Mapped for localllm: --host, --port, -c/--ctx-size, -np/--parallel, -n/--n-predict, --temp, -s/--seed,
---chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name).
+--chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name,
+in a store of its own), --api-key (LOCALLLM_API_KEY).
 Every other flag is dropped: localllm has no equivalent, or its behaviour is localllm's default (--jinja,
 --metrics, --slots, --kv-unified, --cont-batching).
 """
@@ -64,10 +65,14 @@ def localllm(argv: list[str]) -> list[str]:
     for flag, value in pairs(argv):
         if flag in ("--alias", "-a") and value:
             alias = value
+        elif flag == "--api-key" and value:
+            os.environ["LOCALLLM_API_KEY"] = value
         elif flag in KEPT and value is not None:
             if flag == "--temp" and float(value) == 0.0:
                 value = "0"
             out += [KEPT[flag], value]
+    # one store per alias, so that the server lists the one model llama-server would (the blob is copied once each)
+    os.environ["LOCALLLM_HOME"] = str(Path(os.environ["LOCALLLM_HOME"]) / alias.replace("/", "_").replace(":", "_"))
     install(alias)
     return [*out, "-m", alias]
 

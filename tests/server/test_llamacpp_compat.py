@@ -340,3 +340,11 @@ def test_chat_stream_deltas_never_carry_empty_content(http: httpx.Client) -> Non
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0] == {"role": "assistant", "content": None}
     assert all(d.get("content") is None or d["content"] for d in deltas)
+
+
+def test_chat_takes_llama_servers_json_schema_and_says_its_fingerprint(http: httpx.Client) -> None:
+    """llama-server's top-level `json_schema` on /chat/completions constrains the reply (it was ignored), and the
+    answer carries OpenAI's system_fingerprint in llama-server's "b…" shape (llama.cpp's test_chat_completion)."""
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "json_schema": {"const": "42"}}
+    r = http.post("/chat/completions", json=body).json()
+    assert r["choices"][0]["message"]["content"] == '"42"' and r["system_fingerprint"].startswith("b")

@@ -58,6 +58,15 @@ class ChatMessage(Body):
     name: str | None = None
 
 
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "dev"
+
+
 class _Common(Body):
     model: str | None = None
     stream: bool = False
@@ -78,6 +87,7 @@ class _Common(Body):
     context_policy: str | None = None
     keep_alive: str | int | float | None = None
     grammar: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server's: the reply is JSON valid against it
     logit_bias: Any = None  # OpenAI's {"token id": bias}, or llama-server's forms (compose.logit_bias_pairs)
 
 
@@ -111,6 +121,10 @@ class EmbeddingRequest(Body):
     input: str | list[str] | list[int] | list[list[int]]
 
 
+# OpenAI's backend fingerprint, in llama-server's shape ("b" + build): the llama.cpp bindings and localllm
+SYSTEM_FINGERPRINT = "b{}-localllm-{}".format(*(_dist_version(d) for d in ("llama-cpp-python", "localllm")))
+
+
 # ---- handler (transport-free) ----------------------------------------------------------------------
 def _options(body: _Common) -> dict[str, Any]:
     opts = {k: v for k, v in (body.options or {}).items() if k in ("num_ctx", "num_thread", "num_gpu", "num_batch")}
@@ -133,7 +147,7 @@ def _wire_options(body: _Common, max_tokens: Any) -> Options:
         think = think if think is not None else body.reasoning_effort
         budget, choice = body.reasoning_budget, body.tool_choice
     return Options(think=think, reasoning_budget=budget, tool_choice=choice, sampling=sampling, max_tokens=max_tokens, stop=body.stop,
-                   format=fields.get("response_format"), grammar=body.grammar,
+                   format=fields.get("response_format") or body.json_schema, grammar=body.grammar,
                    context_policy=body.context_policy,
                    draft=body.model_extra or {}, logit_bias=body.logit_bias, openai_bias=True,
                    n_probs=n_probs, n_probs_name=n_probs_name)
@@ -345,7 +359,7 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
     g = gens[0]
     prefix = "chatcmpl-" if chat else "cmpl-"
     base = {"id": prefix + uuid.uuid4().hex[:24], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": g.name}
+            "created": int(time.time()), "model": g.name, "system_fingerprint": SYSTEM_FINGERPRINT}
     echo = body.prompt if isinstance(body, CompletionRequest) and body.echo and isinstance(body.prompt, str) else ""
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
