@@ -91,6 +91,10 @@ class Settings:
     prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024
     # a new /infill or /completion from the same editor (client, model, id_slot) cancels its stale one
     supersede: bool = True
+    # llama-server's /slots and /metrics, on by default here (they show counts and states, never prompt text);
+    # off, they answer 501 as llama-server's do without --slots / --metrics
+    slots_endpoint: bool = True
+    metrics_endpoint: bool = True
     # speculative decoding: a draft model name ("auto" = the catalog's pairing when it is installed),
     # and/or prompt lookup; draft_max = most tokens drafted per step
     draft: str | None = None
@@ -258,6 +262,8 @@ RULES: dict[str, Rule] = {
     "prefix_cache_bytes": Rule("int", 0),
     "prompt_cache_disk_bytes": Rule("int", 0),
     "supersede": Rule("bool"),
+    "slots_endpoint": Rule("bool"),
+    "metrics_endpoint": Rule("bool"),
     "draft": Rule("str", optional=True),
     "lookup": Rule("bool"),
     "lookup_auto": Rule("bool"),

@@ -158,6 +158,11 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
               "mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
 @click.option("--reasoning", type=Setting("reasoning"), help="Reasoning for requests that do not say: auto (on "
               "where the model's template reasons), on or off (llama-server's --reasoning; LOCALLLM_REASONING).")
+@click.option("--no-slots", "slots_endpoint", flag_value=False, default=None,
+              help="Turn the /slots endpoint off: it answers 501, as llama-server's does with --no-slots "
+              "(--slots here is the slot count, -np).")
+@click.option("--metrics/--no-metrics", "metrics_endpoint", default=None,
+              help="The /metrics endpoint (on by default; off it answers 501, as llama-server's without --metrics).")
 @click.option("--rpc", type=Setting("rpc"), callback=_flag_check("rpc"), metavar="HOST:PORT[,HOST:PORT...]",
               help="Split every model's offloaded layers over these llama.cpp RPC workers (`localllm worker`); "
               "needs a build with RPC (bash native/build.sh rpc). Unauthenticated: loopback or a trusted "
@@ -165,7 +170,8 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
           draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None, slots: int | None,
           n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None,
-          reasoning: str | None, rpc: str | None) -> None:
+          reasoning: str | None, slots_endpoint: bool | None, metrics_endpoint: bool | None,
+          rpc: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -180,7 +186,8 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     # every setting is checked here, before the server is imported, built or bound
     settings = _settings(host, port, draft=draft, lookup=lookup, lookup_auto=False if lookup is False else None, draft_max=draft_max, cpu_kernels=cpu_kernels,
                          model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
-                         chat_template=chat_template, reasoning=reasoning, rpc=rpc)
+                         chat_template=chat_template, reasoning=reasoning, slots_endpoint=slots_endpoint,
+                         metrics_endpoint=metrics_endpoint, rpc=rpc)
     if settings.rpc:
         _check_rpc(settings.rpc)
 

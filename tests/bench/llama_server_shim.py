@@ -8,7 +8,8 @@ binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "locall
 
 Mapped for localllm: --host, --port, -c/--ctx-size, -np/--parallel, -n/--n-predict, --temp, -s/--seed,
 --chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name,
-in a store of its own), --api-key (LOCALLLM_API_KEY).
+in a store of its own), --api-key (LOCALLLM_API_KEY), --no-slots, and --metrics (absent: --no-metrics, as
+llama-server's default).
 Every other flag is dropped: localllm has no equivalent, or its behaviour is localllm's default (--jinja,
 --metrics, --slots, --kv-unified, --cont-batching).
 """
@@ -74,6 +75,9 @@ def localllm(argv: list[str]) -> list[str]:
     # one store per alias, so that the server lists the one model llama-server would (the blob is copied once each)
     os.environ["LOCALLLM_HOME"] = str(Path(os.environ["LOCALLLM_HOME"]) / alias.replace("/", "_").replace(":", "_"))
     install(alias)
+    # llama-server's /metrics is off unless asked for, its /slots on unless turned off; localllm's are both on
+    out += ["--no-slots"] if "--no-slots" in argv else []
+    out += [] if "--metrics" in argv else ["--no-metrics"]
     return [*out, "-m", alias]
 
 

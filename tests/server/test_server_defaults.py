@@ -158,6 +158,18 @@ def test_reasoning_default_and_history_without_generation_prompt(tmp_path: Path,
     assert prompt(auto.url, add_generation_prompt=False) == "[user]hi"
 
 
+def test_slots_and_metrics_can_be_turned_off(tmp_path: Path, running_server: Callable[..., Server]) -> None:
+    """On by default; off, they answer 501 as llama-server's do without --slots / --metrics (llama.cpp's
+    test_basic::test_server_slots, test_metrics::test_metrics_disabled)."""
+    (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
+    on = running_server(tmp_path / "on")
+    off = running_server(tmp_path / "off", slots_endpoint=False, metrics_endpoint=False)
+    assert httpx.get(on.url + "/slots").status_code == httpx.get(on.url + "/metrics").status_code == 200
+    for path in ("/slots", "/metrics"):
+        r = httpx.get(off.url + path)
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
 # ---- the command line: flags, LOCALLLM_* and config.toml reach the settings; bad values exit 2 ----------
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch, tiny_path: Path) -> dict[str, Any]:
@@ -176,11 +188,13 @@ def recorded(monkeypatch: pytest.MonkeyPatch, tiny_path: Path) -> dict[str, Any]
 
 def test_serve_flags_reach_the_settings(recorded: dict[str, Any], tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["serve", "-m", "tiny", "--temp", "0", "-n", "5", "-s", "42", "-c", "2048",
-                                   "-np", "2", "--chat-template", "chatml", "--reasoning", "off"])
+                                   "-np", "2", "--chat-template", "chatml", "--reasoning", "off", "--no-slots",
+                                   "--no-metrics"])
     assert res.exit_code == 0, res.output
     s = recorded["settings"]
     assert (s.model, s.temperature, s.n_predict, s.seed, s.ctx, s.slots, s.chat_template, s.reasoning) == \
         ("tiny", 0.0, 5, 42, 2048, 2, "chatml", "off")
+    assert (s.slots_endpoint, s.metrics_endpoint) == (False, False)
     recorded.clear()
     env = {"LOCALLLM_TEMPERATURE": "0.25", "LOCALLLM_N_PREDICT": "-1", "LOCALLLM_MODEL": TINY}
     res = CliRunner().invoke(cli, ["serve", "--seed", "-1"], env=env)

@@ -77,8 +77,15 @@ def _version() -> str:
         return "dev"
 
 
-@router.get("/slots")
-async def slots(request: Request) -> list[dict[str, Any]]:
+def _turned_off(what: str, flag: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": 501, "message": f"This server does not support {what}. Start it with {flag}",
+                                   "type": "not_supported_error"}}, status_code=501)
+
+
+@router.get("/slots", response_model=None)
+async def slots(request: Request) -> list[dict[str, Any]] | JSONResponse:
+    if not server_state(request).settings.slots_endpoint:
+        return _turned_off("the slots endpoint", "--slots")
     engines = _engines(server_state(request), local=True)
     want = request.query_params.get("model")  # several models on one port: ?model= picks one
     engines = [(m, e) for m, e in engines if want is None or m["name"] == want]
@@ -93,6 +100,8 @@ async def slots(request: Request) -> list[dict[str, Any]]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    if not server_state(request).settings.metrics_endpoint:
+        return _turned_off("metrics", "--metrics")
     totals = {"prompt_tokens_total": 0, "tokens_predicted_total": 0, "requests_processing": 0,
               "requests_deferred": 0, "kv_cache_tokens": 0, "n_decode_total": 0, "n_drafted_total": 0,
               "n_drafted_accepted_total": 0}
