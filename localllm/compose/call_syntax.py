@@ -31,6 +31,18 @@ THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
+def held_back(buf: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `buf` that may begin one of `markers`: kept back from a stream until the
+    next text says whether a marker starts there."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
 def param_types(tools: list[Any] | None) -> Types:
     """(tool, parameter, JSON schema type) for every typed parameter of OpenAI-style tools."""
     out = []
@@ -110,26 +122,9 @@ def _arg_pairs(body: str, types: Types) -> list[Call] | None:
     return [("", name, _typed(_ARG.findall(body), name, types))]
 
 
-def _action_list(body: str, types: Types) -> list[Call] | None:
-    """Command-R7B: a JSON list of {"tool_call_id", "tool_name", "parameters"}."""
-    try:
-        items = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(items, list):
-        return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("tool_name"), str):
-            return None
-        params = item.get("parameters")
-        calls.append((str(item.get("tool_call_id", "")), item["tool_name"],
-                      json.dumps(params if isinstance(params, dict) else {}, ensure_ascii=False)))
-    return calls
-
-
-def _json_list(body: str, name_key: str | None, args_key: str) -> list[Call] | None:
-    """A JSON list of calls: {"name", "arguments"} objects (Granite 3.3, Apriel), or {NAME: arguments} (Apertus)."""
+def _json_list(body: str, name_key: str | None, args_key: str, id_key: str = "") -> list[Call] | None:
+    """A JSON list of calls: {"name", "arguments"} objects (Granite 3.3, Apriel), {"tool_call_id", "tool_name",
+    "parameters"} (Command-R7B), or {NAME: arguments} (Apertus)."""
     try:
         items = json.loads(body)
     except ValueError:
@@ -145,7 +140,7 @@ def _json_list(body: str, name_key: str | None, args_key: str) -> list[Call] | N
             name, args = item.get(name_key or "name"), item.get(args_key, {})
         if not isinstance(name, str) or not isinstance(args, dict):
             return None
-        calls.append(("", name, json.dumps(args, ensure_ascii=False)))
+        calls.append((str(item.get(id_key, "")) if id_key else "", name, json.dumps(args, ensure_ascii=False)))
     return calls
 
 
@@ -311,7 +306,8 @@ TAGGED: dict[str, Tagged] = {t.name: t for t in (
     Tagged("functionary_v3_1", "<function=", "</function>", _name_then_json(">")),
     Tagged("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", _invokes),
     Tagged("seed_oss", "<seed:tool_call>", "</seed:tool_call>", _xml_calls),
-    Tagged("command_r7b", "<|START_ACTION|>", "<|END_ACTION|>", _action_list,
+    Tagged("command_r7b", "<|START_ACTION|>", "<|END_ACTION|>",
+           lambda b, t: _json_list(b, "tool_name", "parameters", "tool_call_id"),
            ("<|START_RESPONSE|>", "<|END_RESPONSE|>")),
     Tagged("apertus", "<|tools_prefix|>", "<|tools_suffix|>", lambda b, t: _json_list(b, None, "")),
     Tagged("apriel", "<tool_calls>", "</tool_calls>", lambda b, t: _json_list(b, "name", "arguments")),

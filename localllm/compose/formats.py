@@ -33,24 +33,22 @@ class ChatFormat:
     bos_token: str = ""  # the model's BOS/EOS as text, for templates that write them ({{ bos_token }})
     eos_token: str = ""
 
-    def render_history(self, messages: list[dict[str, Any]], **extra: Any) -> str:
-        """The messages as the template writes them, with no generation prompt after them."""
-        if self.template is None:
-            return "\n\n".join(str(m.get("content") or "") for m in messages)
-        messages = templates.adapt_messages(self.template, messages)
-        return templates.render_chat(self.template, messages, add_generation_prompt=False, bos_token=self.bos_token,
-                                     eos_token=self.eos_token, **templates.template_context(self.template, extra))
-
-    def render(self, messages: list[dict[str, Any]], **extra: Any) -> templates.ChatParts:
+    def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True,
+               **extra: Any) -> templates.ChatParts:
         """The prompt text and its system prefix (what a context shift keeps).
 
         A conversation that ends with an assistant message is a prefill, as in llama-server and Ollama:
         the model continues that message instead of answering it (the turns before it are rendered with
-        the assistant's generation prompt, then its text follows)."""
+        the assistant's generation prompt, then its text follows). Without `generation_prompt`
+        (/apply-template's add_generation_prompt false) the messages are written as they are, nothing after."""
         if self.template is None:
             return templates.ChatParts("\n\n".join(str(m.get("content") or "") for m in messages), "")
         messages = templates.adapt_messages(self.template, messages)
         extra = templates.template_context(self.template, extra)
+        if not generation_prompt:
+            return templates.ChatParts(templates.render_chat(self.template, messages, add_generation_prompt=False,
+                                                             bos_token=self.bos_token, eos_token=self.eos_token,
+                                                             **extra), "")
         if len(messages) > 1 and messages[-1].get("role") == "assistant":
             if messages[-2].get("role") == "assistant":
                 raise InvalidInput("Cannot have 2 or more assistant messages at the end of the list",

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from localllm.compose.call_syntax import held_back
+
 _MESSAGE = "<|message|>"
 _ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 _HEADS = ("<|start|>", "<|channel|>", "to=")
@@ -26,11 +28,6 @@ class Piece:
 
     kind: Literal["reasoning", "content", "call", "args", "done"]
     text: str = ""
-
-
-def _held(buf: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `buf` that may begin one of `markers`."""
-    return max((n for m in markers for n in range(1, min(len(m), len(buf) + 1)) if buf.endswith(m[:n])), default=0)
 
 
 class Channels:
@@ -49,19 +46,11 @@ class Channels:
     def feed(self, text: str, final: bool = False) -> list[Piece]:
         self.buf += text
         out: list[Piece] = []
-        while self.buf or final:
-            if self.state == "text":
-                out.append(Piece("content", self.buf))
-                self.buf = ""
-            elif self.state == "header":
-                if not self._header(out, final):
-                    break
-                continue
-            else:
-                if not self._body(out, final):
-                    break
-                continue
-            break
+        while self.state != "text" and (self._header if self.state == "header" else self._body)(out, final):
+            pass
+        if self.state == "text" and self.buf:
+            out.append(Piece("content", self.buf))
+            self.buf = ""
         return [p for p in out if p.text or p.kind in ("call", "done")]
 
     def _header(self, out: list[Piece], final: bool) -> bool:
@@ -69,8 +58,7 @@ class Channels:
         head = self.buf.lstrip()
         i = head.find(_MESSAGE)
         if i < 0:
-            if head and not any(head.startswith(h) or h.startswith(head) for h in _HEADS) \
-                    and not head.startswith(" to="):
+            if head and not any(head.startswith(h) or h.startswith(head) for h in _HEADS):
                 self.state = "text"  # not harmony: the model answered plainly
                 return True
             if final:
@@ -99,7 +87,7 @@ class Channels:
                 out.append(Piece("done"))
             self.state = "header"
             return True
-        keep = 0 if final else _held(self.buf, _ENDS)
+        keep = 0 if final else held_back(self.buf, _ENDS)
         self._text(out, self.buf[:len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep:]
         if final and self.kind == "call":  # `<|call|>` ends the reply: it is an end-of-generation token

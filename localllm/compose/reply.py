@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localllm.compose.call_syntax import TAGGED, Types, xml_call
+from localllm.compose.call_syntax import TAGGED, Types, held_back, xml_call
 from localllm.compose.harmony import Channels, Piece
 
 HERMES = ("<tool_call>", "</tool_call>")
@@ -87,17 +87,6 @@ class ToolCall:
         except ValueError:
             return {}
         return value if isinstance(value, dict) else {}
-
-
-def _held(buf: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `buf` that may begin one of `markers` (kept back until known)."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(buf)), best, -1):
-            if buf.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 def _call_from(obj: Any) -> tuple[str, str] | None:
@@ -260,7 +249,7 @@ class ReplyParser:
             return out
         keep = 0
         if not final:  # a possible start of the close marker, and the whitespace before it
-            keep = _held(self.buf, (close,))
+            keep = held_back(self.buf, (close,))
             rest = self.buf[:len(self.buf) - keep]
             keep += len(rest) - len(rest.rstrip())
         out = self._emit("reasoning", self.buf[:len(self.buf) - keep])
@@ -299,7 +288,7 @@ class ReplyParser:
             self._closer, self._list = (HERMES[1], False) if m == HERMES[0] else ("", True)
             self._opened = False
             return out
-        keep = 0 if final or self.fmt.marked else _held(self.buf, markers)
+        keep = 0 if final or self.fmt.marked else held_back(self.buf, markers)
         out = self._emit("content", self.buf[:len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep:]
         if out:

@@ -73,8 +73,9 @@ def reply_plan(text: str, template: str | None, *, think: bool | None, budget: i
     model the reasoning is closed in the prompt (an empty block, as Qwen3's template writes for
     enable_thinking=false), so the model answers at once."""
     markers = think_markers(template)
-    harmony = tool_syntax(template) == "harmony"
-    syntax = tool_syntax(template) if tools else None
+    family = tool_syntax(template)
+    harmony = family == "harmony"
+    syntax = family if tools else None
     types = param_types(tools) if isinstance(tools, list) else ()
     if markers is None:
         return text, ReplyFormat(tools=syntax, param_types=types, channels=harmony)

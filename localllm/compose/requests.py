@@ -105,9 +105,9 @@ class _Rendering:
         extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         if self.think is not None:
             extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
+        parts = self.fmt.render(messages, generation_prompt=generation_prompt, **extra)
         if not generation_prompt:
-            return self.fmt.render_history(messages, **extra), ReplyFormat(), ""
-        parts = self.fmt.render(messages, **extra)
+            return parts.text, ReplyFormat(), ""
         text, fmt = reply_plan(parts.text, self.fmt.template, think=self.think, budget=self.budget,
                                tools=self.tools or False)
         return text, fmt, parts.system_prefix

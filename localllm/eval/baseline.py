@@ -1,52 +1,23 @@
 """llama-cpp-python's high-level `Llama` class, driven the way its users drive it: the bench baseline.
 
 The one place outside runtime/native/ that imports llama_cpp (tests/test_layering.py allows it): it measures
-that class. One sequence: concurrent requests are served one after another (as llama-cpp-python's own
+that class; loading it with localllm's CPU kernel choice stays in runtime/native/llama.py (llama_class_load). One sequence: concurrent requests are served one after another (as llama-cpp-python's own
 server does, behind a lock).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-
-@contextlib.contextmanager
-def llama_class_load(cpu_kernels: str = "auto") -> Iterator[str]:
-    """Around a load through llama_cpp.Llama: the cpu_kernels choice applied as for a runtime Model
-    (runtime/native/llama.py kernels_for_load); yields the mode. The Llama class has no use_extra_bufts
-    argument, so for "none" (AMX could not be kept out alone: a model was loaded here before) its default
-    model params are swapped for the length of the load; without that it took AMX's kernels and crashed on
-    an AMX Xeon."""
-    import llama_cpp.llama_cpp as lc
-
-    from localllm.runtime.native.llama import kernels_for_load
-
-    mode, _ = kernels_for_load(cpu_kernels)
-    if mode != "none":
-        yield mode
-        return
-    default = lc.llama_model_default_params
-
-    def without_extra_bufts() -> Any:
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    lc.llama_model_default_params = without_extra_bufts
-    try:
-        yield mode
-    finally:
-        lc.llama_model_default_params = default
 
 
 class LlamaBaseline:
     def __init__(self, path: str | Path, *, n_ctx: int, threads: int, n_batch: int = 512,
                  n_gpu_layers: int = 0, **llama_kwargs: Any) -> None:
         from llama_cpp import Llama
+
+        from localllm.runtime.native.llama import llama_class_load
 
         with llama_class_load():  # the same CPU kernels as the engine's "auto" (AMX kept out where it would crash)
             self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,

@@ -85,6 +85,7 @@ class Engine(ThreadSubmit):
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
         self._waiting: deque[Job] = deque()
         self._stop = False
+        self._shown: dict[tuple[str, ...], frozenset[int]] = {}  # a reply syntax's markers → their tokens
         self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
                           "restored": 0, "copied_prefix": 0,
                           "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0, "drafted": 0, "draft_accepted": 0}
@@ -139,8 +140,12 @@ class Engine(ThreadSubmit):
 
     def _special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
         """The tokens these texts are made of (Gemma 4's "<|channel>thought" is a control token and a word):
-        written out as text, whatever their kind."""
-        return frozenset(t for text in texts for t in self.tokenize(text, add_special=False, parse_special=True))
+        written out as text, whatever their kind. One syntax's markers per model: tokenized once."""
+        ids = self._shown.get(texts)
+        if ids is None:
+            ids = frozenset(t for text in texts for t in self.tokenize(text, add_special=False, parse_special=True))
+            self._shown[texts] = ids
+        return ids
 
     def generate(self, request: Request) -> Result:
         return self.submit(request).result()

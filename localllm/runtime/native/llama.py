@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,30 @@ def kernels_for_load(cpu_kernels: str = "auto") -> tuple[str, str]:
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
     return cpu_guard.start_load(choice.mode, choice.reason)
+
+
+@contextlib.contextmanager
+def llama_class_load(cpu_kernels: str = "auto") -> Iterator[str]:
+    """Around a load through llama_cpp.Llama (the bench baseline, eval/baseline.py): the cpu_kernels choice
+    applied as for a Model (kernels_for_load); yields the mode. The Llama class has no use_extra_bufts argument,
+    so for "none" (AMX could not be kept out alone: a model was loaded here before) its default model params
+    are swapped for the length of the load; without that it took AMX's kernels and crashed on an AMX Xeon."""
+    mode, _ = kernels_for_load(cpu_kernels)
+    if mode != "none":
+        yield mode
+        return
+    default = lc.llama_model_default_params
+
+    def without_extra_bufts() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lc.llama_model_default_params = without_extra_bufts
+    try:
+        yield mode
+    finally:
+        lc.llama_model_default_params = default
 
 
 class Model:
