@@ -71,13 +71,19 @@ def paths() -> Paths:
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # or several to listen on all: "127.0.0.1,::1" (see host_names)
     port: int = 11434
     api_key: str | None = None
     keep_alive: str = "5m"
     slots: int = 4
     threads: int | None = None
     ctx: int | None = None
+    # the most tokens one request may hold (llama-server's --kv-unified-per-slot; its default without
+    # --kv-unified is ctx / slots); None: any request may use the whole shared cache
+    ctx_per_slot: int | None = None
+    # what a request that names no context policy gets when its prompt outgrows the context: None keeps
+    # each door's own default (chats shift or truncate history, completions refuse); "error" is llama-server's
+    context_policy: str | None = None
     gpu_layers: int | None = None
     kv_type: str | None = None
     allowed_origins: tuple[str, ...] = ()
@@ -95,6 +101,9 @@ class Settings:
     # off, they answer 501 as llama-server's do without --slots / --metrics
     slots_endpoint: bool = True
     metrics_endpoint: bool = True
+    # llama-server's --verbose for replies: every OpenAI reply carries `__verbose` (the prompt as the model
+    # saw it) unless the request says `"verbose": false`
+    verbose: bool = False
     # speculative decoding: a draft model name ("auto" = the catalog's pairing when it is installed),
     # and/or prompt lookup; draft_max = most tokens drafted per step
     draft: str | None = None
@@ -120,6 +129,10 @@ class Settings:
     temperature: float | None = None
     seed: int | None = None
     chat_template: str | None = None
+    # llama-server's --alias/--tags: names ("a,b") the default model also answers to in the OpenAI and
+    # llama.cpp doors, where /v1/models lists it as the first of them in sorted order, with these tags
+    alias: str | None = None
+    tags: str | None = None
     # reasoning for requests that do not say (llama-server's --reasoning): "auto" (on where the template
     # reasons), "on" or "off"
     reasoning: str = "auto"
@@ -178,7 +191,8 @@ class Rule:
             return "one of " + ", ".join(self.choices)
         return {
             "str": "a string",
-            "host": "a host name or an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)",
+            "host": "a host name or an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost), or several "
+                    "separated by commas (127.0.0.1,::1)",
             "bool": "true or false (also 1/0, yes/no, on/off)",
             "strs": "a list of strings",
             "duration": "a duration like '5m', '1h30m', '30s', or seconds (0 = unload at once, -1 = never)",
@@ -231,8 +245,8 @@ class Rule:
         elif self.kind == "str":
             ok = isinstance(value, str)
         elif self.kind == "host":
-            ok = isinstance(value, str) and valid_host(value)
-            value = value.strip().removeprefix("[").removesuffix("]") if ok else value
+            ok = isinstance(value, str) and all(valid_host(h) for h in value.split(","))
+            value = ",".join(host_names(value)) if ok else value
         elif self.kind == "strs":
             if isinstance(value, list):
                 value = tuple(value)
@@ -253,6 +267,8 @@ RULES: dict[str, Rule] = {
     "slots": Rule("int", 1, MAX_SLOTS),
     "threads": Rule("int", 1, MAX_THREADS, optional=True),
     "ctx": Rule("int", 1, MAX_CTX, optional=True),
+    "ctx_per_slot": Rule("int", 1, MAX_CTX, optional=True),
+    "context_policy": Rule("choice", choices=("error", "shift", "truncate_history"), optional=True),
     "gpu_layers": Rule("int", -1, optional=True),  # -1: every layer
     "kv_type": Rule("str", optional=True),  # the names: machine.fit.KV_TYPE_SIZES (the CLI checks them)
     "allowed_origins": Rule("strs"),
@@ -264,6 +280,7 @@ RULES: dict[str, Rule] = {
     "supersede": Rule("bool"),
     "slots_endpoint": Rule("bool"),
     "metrics_endpoint": Rule("bool"),
+    "verbose": Rule("bool"),
     "draft": Rule("str", optional=True),
     "lookup": Rule("bool"),
     "lookup_auto": Rule("bool"),
@@ -276,6 +293,8 @@ RULES: dict[str, Rule] = {
     "temperature": Rule("float", 0, optional=True),
     "seed": Rule("int", -1, MAX_SEED, optional=True),  # -1: a random seed per request
     "chat_template": Rule("str", optional=True),  # a built-in name or a Jinja file (the CLI checks it)
+    "alias": Rule("str", optional=True),  # model names, comma-separated (the CLI checks them)
+    "tags": Rule("str", optional=True),  # comma-separated words
     "reasoning": Rule("choice", choices=("auto", "on", "off")),
     "rpc": Rule("str", optional=True),  # host:port,... (the CLI checks them)
 }
@@ -287,6 +306,12 @@ _BY_TYPE = {"int": Rule("int"), "int | None": Rule("int", optional=True), "bool"
 def model_names(value: str | None) -> list[str]:
     """The `model` setting's names in order ("a, b" → ["a", "b"]); empty pieces are skipped."""
     return [n.strip() for n in (value or "").split(",") if n.strip()]
+
+
+def host_names(value: str | None) -> list[str]:
+    """The `host` setting's addresses in order ("127.0.0.1, [::1]" → ["127.0.0.1", "::1"]): the server
+    listens on each; clients of this machine's server use the first."""
+    return [h.strip().removeprefix("[").removesuffix("]") for h in (value or "").split(",") if h.strip()]
 
 
 def rule(name: str) -> Rule:
@@ -323,6 +348,12 @@ def _host_port(value: str, current: Settings) -> dict[str, Any]:
     with or without `http://`, like `OLLAMA_HOST`. ValueError names the part that is wrong."""
     text = value.strip().removeprefix("http://").rstrip("/")
     port: str | None = None
+    if "," in text:  # several hosts to listen on, each bare: the port comes from LOCALLLM_PORT or --port
+        for piece in text.split(","):
+            if not valid_host(piece):
+                raise ValueError(f"has host {piece.strip()!r}, which is not {RULES['host'].allowed} "
+                                 "(several hosts are given without ports; the port: LOCALLLM_PORT)")
+        return {"host": ",".join(host_names(text))}
     if text.startswith("["):  # [v6] or [v6]:port
         end = text.find("]")
         if end < 0 or (text[end + 1:] and not text[end + 1:].startswith(":")):

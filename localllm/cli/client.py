@@ -18,8 +18,10 @@ PROBE_TIMEOUT_S = 0.3
 
 
 def server_url(settings: Any) -> str:
-    """The base URL for settings.host/port; a wildcard bind is reached on loopback."""
-    host = str(settings.host or "127.0.0.1").strip("[]")
+    """The base URL for settings.host/port (its first host); a wildcard bind is reached on loopback."""
+    from localllm.config import host_names
+
+    host = (host_names(settings.host) or ["127.0.0.1"])[0]
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif host == "::":

@@ -79,7 +79,19 @@ def _check_rpc(value: str) -> None:
         click.secho(f"warning: {exc.message} (models will load once the workers answer)", fg="yellow", err=True)
 
 
+def _check_alias(value: Any) -> None:
+    """Names the default model also answers to: each a valid model name."""
+    from localllm.config import model_names
+    from localllm.models.names import parse_name
+
+    if not model_names(str(value)):
+        raise ValueError(f"{value!r} names no alias (give NAME or NAME,NAME,...)")
+    for name in model_names(str(value)):
+        parse_name(name)
+
+
 SERVE_CHECKS: dict[str, Callable[[Any], None]] = {**SETTING_CHECKS, "model": _check_model,
+                                                  "alias": _check_alias,
                                                   "n_predict": _check_n_predict, "chat_template": _check_template,
                                                   "rpc": _check_rpc_syntax}
 
@@ -122,7 +134,8 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 
 
 @click.command()
-@click.option("--host", type=Setting("host"), help="Address to bind (default 127.0.0.1, or LOCALLLM_HOST).")
+@click.option("--host", type=Setting("host"), help="Address to bind (default 127.0.0.1, or LOCALLLM_HOST); "
+              "several separated by commas listen on each (127.0.0.1,::1).")
 @click.option("--port", type=Setting("port"), help="Port, 1-65535 (default 11434, or the port in LOCALLLM_HOST).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
@@ -143,6 +156,12 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 @click.option("-c", "--ctx-size", "ctx", type=Setting("ctx"), help="Context size in tokens, in total: one KV cache "
               "shared by all slots, and one request may use all of it (llama-server's -c with --kv-unified). "
               "Default: what fits in memory (LOCALLLM_CTX).")
+@click.option("--ctx-per-slot", "ctx_per_slot", type=Setting("ctx_per_slot"),
+              help="The most tokens one request may hold (llama-server's --kv-unified-per-slot; llama-server "
+              "without --kv-unified gives each slot ctx / slots). Default: the whole context (LOCALLLM_CTX_PER_SLOT).")
+@click.option("--context-policy", "context_policy", type=Setting("context_policy"),
+              help="For requests that name none, when a prompt outgrows the context: error (a 400, as "
+              "llama-server), shift or truncate_history. Default: each door's own (LOCALLLM_CONTEXT_POLICY).")
 @click.option("-np", "--parallel", "--slots", "slots", type=Setting("slots"),
               help="Slots: requests generated at the same time, 1-256 (default 4, LOCALLLM_SLOTS).")
 @click.option("-n", "--n-predict", "n_predict", type=Setting("n_predict"), callback=_flag_check("n_predict"),
@@ -154,23 +173,38 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
 @click.option("-s", "--seed", type=Setting("seed"),
               help="Default sampling seed for requests that set none; -1: random (the default; LOCALLLM_SEED).")
 @click.option("--chat-template", type=Setting("chat_template"), callback=_flag_check("chat_template"),
-              help="Chat template for every model instead of its own: a built-in name (chatml, gemma, llama3, "
-              "mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
+              help="Chat template for every model instead of its own: a built-in name (chatml, command-r, gemma, "
+              "llama3, mistral, phi3, plain) or a Jinja file (LOCALLLM_CHAT_TEMPLATE).")
 @click.option("--reasoning", type=Setting("reasoning"), help="Reasoning for requests that do not say: auto (on "
               "where the model's template reasons), on or off (llama-server's --reasoning; LOCALLLM_REASONING).")
 @click.option("--no-slots", "slots_endpoint", flag_value=False, default=None,
               help="Turn the /slots endpoint off: it answers 501, as llama-server's does with --no-slots "
               "(--slots here is the slot count, -np).")
+@click.option("--verbose", "verbose", flag_value=True, default=None,
+              help="Every OpenAI reply carries `__verbose`, the prompt as the model saw it (llama-server's "
+              "--verbose; a request's \"verbose\" says otherwise; LOCALLLM_VERBOSE).")
 @click.option("--metrics/--no-metrics", "metrics_endpoint", default=None,
               help="The /metrics endpoint (on by default; off it answers 501, as llama-server's without --metrics).")
+@click.option("-a", "--alias", type=Setting("alias"), callback=_flag_check("alias"), metavar="NAME[,NAME...]",
+              help="Names the default model (the first --model) also answers to; /v1/models lists it under "
+              "the first in sorted order (llama-server's --alias; LOCALLLM_ALIAS).")
+@click.option("--tags", type=Setting("tags"), metavar="TAG[,TAG...]",
+              help="Tags /v1/models lists for the default model (llama-server's --tags; LOCALLLM_TAGS).")
+@click.option("--allowed-origins", "--cors-origins", "allowed_origins", type=Setting("allowed_origins"),
+              metavar="ORIGIN[,ORIGIN...]",
+              help="Web pages (http://host:port) whose browsers may call the server, besides this "
+              "machine's own (localhost: every loopback origin, always allowed); '*' allows every origin "
+              "(LOCALLLM_ALLOWED_ORIGINS).")
 @click.option("--rpc", type=Setting("rpc"), callback=_flag_check("rpc"), metavar="HOST:PORT[,HOST:PORT...]",
               help="Split every model's offloaded layers over these llama.cpp RPC workers (`localllm worker`); "
               "needs a build with RPC (bash native/build.sh rpc). Unauthenticated: loopback or a trusted "
               "network only (LOCALLLM_RPC).")
 def serve(host: str | None, port: int | None, log_level: str, draft: str | None, lookup: bool | None,
-          draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None, slots: int | None,
+          draft_max: int | None, cpu_kernels: str | None, model: str | None, ctx: int | None,
+          ctx_per_slot: int | None, context_policy: str | None, slots: int | None,
           n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None,
-          reasoning: str | None, slots_endpoint: bool | None, metrics_endpoint: bool | None,
+          reasoning: str | None, slots_endpoint: bool | None, verbose: bool | None, metrics_endpoint: bool | None,
+          alias: str | None, tags: str | None, allowed_origins: tuple[str, ...] | None,
           rpc: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
@@ -185,20 +219,23 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
     """
     # every setting is checked here, before the server is imported, built or bound
     settings = _settings(host, port, draft=draft, lookup=lookup, lookup_auto=False if lookup is False else None, draft_max=draft_max, cpu_kernels=cpu_kernels,
-                         model=model, ctx=ctx, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
+                         model=model, ctx=ctx, ctx_per_slot=ctx_per_slot, context_policy=context_policy, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
                          chat_template=chat_template, reasoning=reasoning, slots_endpoint=slots_endpoint,
-                         metrics_endpoint=metrics_endpoint, rpc=rpc)
+                         verbose=verbose, metrics_endpoint=metrics_endpoint, rpc=rpc, alias=alias, tags=tags,
+                         allowed_origins=allowed_origins)
+    if settings.alias and not settings.model:
+        raise click.UsageError("--alias names the default model: give it with --model (or LOCALLLM_MODEL)")
     if settings.rpc:
         _check_rpc(settings.rpc)
 
-    import uvicorn
-
-    from localllm.config import model_names
+    from localllm.config import host_names, model_names
     from localllm.server.app import create_app
 
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        click.secho(f"warning: listening on {settings.host} without an API key (set LOCALLLM_API_KEY)",
-                    fg="yellow", err=True)
+    hosts = host_names(settings.host)
+    for addr in hosts:
+        if addr not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+            click.secho(f"warning: listening on {addr} without an API key (set LOCALLLM_API_KEY)",
+                        fg="yellow", err=True)
     failed: list[str] = []
 
     def fatal(message: str) -> None:  # the default model cannot load: stop, as llama-server does
@@ -206,13 +243,13 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
         signal.raise_signal(signal.SIGINT)  # uvicorn.run owns the server: its own graceful shutdown
 
     app = create_app(settings, on_fatal=fatal)
-    click.echo(f"localllm listening on http://{settings.host}:{settings.port}"
+    urls = [f"http://[{h}]:{settings.port}" if ":" in h else f"http://{h}:{settings.port}" for h in hosts]
+    click.echo(f"localllm listening on {', '.join(urls)}"
                + (f" (loading {', '.join(model_names(settings.model))})" if settings.model else ""), err=True)
     try:
         # SIGTERM/Ctrl-C: requests get GRACE_S to finish, then their streams are cancelled (a long generation
         # would otherwise hold the shutdown for as long as it runs), then the runners stop
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level,
-                    timeout_graceful_shutdown=GRACE_S)
+        _run(app, hosts, settings.port, log_level)
     except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
         if not failed:
             raise
@@ -221,6 +258,26 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
 
 
 GRACE_S = 5  # seconds in-flight requests get to finish when the server is told to stop
+
+
+def _run(app: Any, hosts: list[str], port: int, log_level: str) -> None:
+    """uvicorn on one address, or on several sockets (`--host 127.0.0.1,::1`) served by one server."""
+    import uvicorn
+
+    if len(hosts) == 1:
+        uvicorn.run(app, host=hosts[0], port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
+        return
+    config = uvicorn.Config(app, host=hosts[0], port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACE_S)
+    sockets = [uvicorn.Config(app, host=h, port=port, log_level=log_level).bind_socket() for h in hosts]
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+    if not server.started:  # as uvicorn.run: it could not start
+        raise SystemExit(3)
 
 
 def _fmt_size(n: int) -> str:

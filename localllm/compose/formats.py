@@ -101,9 +101,10 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _text_of(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of an OpenAI content list."""
+    """A prefilled message's content as text: a string, or the text parts of an OpenAI content list, a
+    blank line between parts (llama.cpp's common_chat_msg::render_content)."""
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "\n\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
     return "" if content is None else str(content)
 
 

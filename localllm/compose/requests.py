@@ -61,6 +61,7 @@ class Options:
     n_keep: Any = None  # None: the system prefix's tokens
     n_keep_name: str = "n_keep"
     ignore_eos: bool = False
+    progress: bool = False  # prompt progress chunks while the prompt is prefilled (llama-server's return_progress)
     draft: dict[str, Any] = field(default_factory=dict)  # DRAFT_KEYS values
     # llama-server's [[token id or text, bias or false], ...] or OpenAI's {"token id": bias}; openai_bias:
     # OpenAI's range, -100..100, where -100 bans the token
@@ -85,6 +86,7 @@ class Defaults:
     sampling: dict[str, Any] = field(default_factory=dict)  # PARAM_KEYS values
     max_tokens: int | None = None  # None / -1: until the model stops
     think: bool | None = None  # reasoning on / off for requests that do not say; None: the template's default
+    context_policy: str | None = None  # `serve --context-policy`: instead of each door's own default
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class _Rendering:
 
 class RequestBuilder:
     """Requests for one loaded model. `model` needs tokenize(text, add_special=, parse_special=) and n_ctx
-    (an Engine, or anything that answers for one); `defaults` fill the options a request leaves unset."""
+    (an Engine, or anything that answers for one), and for ignore_eos its vocabulary's `model.eog_tokens()`; `defaults` fill the options a request leaves unset."""
 
     def __init__(self, fmt: ChatFormat, model: Any, defaults: Defaults | None = None) -> None:
         self.fmt, self.model = fmt, model
@@ -155,7 +157,7 @@ class RequestBuilder:
         text, fmt, system_prefix = how.render(messages)
         prompt = self._tokens(text)
         notices: list[Notice] = []
-        wire_policy = context_policy(options.context_policy, policy)
+        wire_policy = context_policy(options.context_policy, self.defaults.context_policy or policy)
         if wire_policy == "truncate_history" and truncatable:
             prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: how.render(msgs)[0])
         n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
@@ -250,6 +252,8 @@ class RequestBuilder:
         limit = o.max_tokens if o.max_tokens is not None else d.max_tokens
         params = params_from(sampling)
         params.logit_bias = logit_bias_pairs(o.logit_bias, self._bias_tokens, openai=o.openai_bias)
+        if o.ignore_eos:  # as llama-server: every end-of-generation token banned, so none is ever sampled
+            params.logit_bias += [(t, float("-inf")) for t in self.model.model.eog_tokens()]
         if not isinstance(o.post_sampling_probs, bool):
             raise InvalidInput(f"post_sampling_probs must be true or false, got {o.post_sampling_probs!r}")
         return Request(prompt, params, n_probs=n_probs_for(o.n_probs, o.n_probs_name),
@@ -257,8 +261,9 @@ class RequestBuilder:
                        max_tokens=max_tokens_for(limit, int(self.model.n_ctx), o.max_tokens_name),
                        stop=stop_list(o.stop) + list(stops), grammar=o.grammar,
                        json_schema=o.json_schema if o.json_schema is not None else json_format(o.format),
-                       context_policy=runtime_policy(context_policy(o.context_policy, policy)),
-                       n_keep=n_keep, ignore_eos=bool(o.ignore_eos), **draft_options(o.draft))
+                       context_policy=runtime_policy(context_policy(o.context_policy, d.context_policy or policy)),
+                       n_keep=n_keep, ignore_eos=bool(o.ignore_eos), progress=bool(o.progress),
+                       **draft_options(o.draft))
 
 
 # ---- wire values → request fields (each checked; errors name the field) ---------------------------

@@ -208,6 +208,8 @@ class Composer:
         kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch
+        if s.ctx_per_slot:
+            kw["ctx_per_slot"] = s.ctx_per_slot
         if s.prefix_cache_bytes is not None:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
         disk = s.prompt_cache_disk_bytes
@@ -237,7 +239,7 @@ class Composer:
         s = self.settings
         sampling = {"temperature": s.temperature, "seed": s.seed}
         think = {"on": True, "off": False}.get(s.reasoning)
-        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict, think)
+        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict, think, s.context_policy)
 
     def builder(self, name: str, engine: ModelEngine) -> RequestBuilder | RemoteBuilder:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:

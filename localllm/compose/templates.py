@@ -54,6 +54,13 @@ _LLAMA3 = (
     "{{ m.content | text | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+# Cohere's Command R / R+ (llama.cpp's built-in "command-r"): no BOS written, trimmed turns
+_COMMAND_R = (
+    "{% set tags = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'} %}"
+    "{% for m in messages if m.role in tags %}<|START_OF_TURN_TOKEN|>{{ tags[m.role] }}"
+    "{{ m.content | text | trim }}<|END_OF_TURN_TOKEN|>{% endfor %}"
+    "{% if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% endif %}"
+)
 _PHI3 = (
     "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | text }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -86,11 +93,12 @@ PLAIN_STOP = "\nUser:"
 
 BUILTIN_TEMPLATES: dict[str, str] = {
     "plain": _PLAIN, "chatml": _CHATML, "gemma": _GEMMA, "llama3": _LLAMA3, "phi3": _PHI3, "mistral": _MISTRAL,
+    "command-r": _COMMAND_R,
 }
 # Stop strings a built-in template needs beyond the model's end-of-generation token.
 BUILTIN_STOPS: dict[str, tuple[str, ...]] = {
     "plain": (PLAIN_STOP,), "chatml": ("<|im_end|>",), "gemma": ("<end_of_turn>",), "llama3": ("<|eot_id|>",),
-    "phi3": ("<|end|>",), "mistral": (),
+    "phi3": ("<|end|>",), "mistral": (), "command-r": ("<|END_OF_TURN_TOKEN|>",),
 }
 
 

@@ -106,6 +106,9 @@ class Request:
     # of the raw logits.
     n_probs: int | None = None
     post_sampling_probs: bool = False
+    # prompt progress chunks while the prompt is prefilled (llama-server's return_progress): one as the
+    # request starts, then one after each batch that carried some of its prompt
+    progress: bool = False
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
@@ -150,6 +153,17 @@ class Timings:
 
 
 @dataclass
+class PromptProgress:
+    """How far a request's prompt is (Request.progress): `total` prompt tokens, `cache` of them reused,
+    `processed` in the KV cache so far (cached ones included), `ms` since it got its slot."""
+
+    total: int
+    cache: int
+    processed: int
+    ms: float
+
+
+@dataclass
 class Notice:
     """Something the engine did to the request's context: nothing is dropped silently."""
 
@@ -190,6 +204,7 @@ class Chunk:
     error: Exception | None = None  # with finish_reason "error"
     probs: list[TokenProbs] | None = None  # one per token of `tokens`, when the request asked (n_probs)
     stop_word: str | None = None  # last chunk only: the stop string that ended the generation
+    progress: PromptProgress | None = None  # a prompt progress update (Request.progress), no text
 
 
 @dataclass

@@ -16,13 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
 from localllm.config import Settings, load_settings, model_names
-from localllm.errors import LocalLLMError
+from localllm.errors import ContextOverflow, LocalLLMError
 from localllm.server.core.security import (
     BodyTooLarge,
     GuardMiddleware,
     body_problem,
     error_body,
     is_blob_upload,
+    overflow_body,
 )
 from localllm.server.core.state import LoadTracker, ServerState
 from localllm.server.core.supersede import Supersede
@@ -208,6 +209,10 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     async def _local(request: Request, exc: LocalLLMError) -> Response:
         message = exc.message + (f" ({exc.hint})" if exc.hint else "")
         return _json_error(request, exc.status, message)
+
+    @app.exception_handler(ContextOverflow)
+    async def _overflow(request: Request, exc: ContextOverflow) -> Response:
+        return Response(overflow_body(request.url.path, exc), status_code=400, media_type="application/json")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -8,8 +8,9 @@ binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "locall
 
 Mapped for localllm: --host, --port, -c/--ctx-size, -np/--parallel, -n/--n-predict, --temp, -s/--seed,
 --chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name,
-in a store of its own), --api-key (LOCALLLM_API_KEY), --no-slots, and --metrics (absent: --no-metrics, as
-llama-server's default).
+in a store of its own, installed as the first alias; also serve --alias), --tags, --cors-origins (serve
+--allowed-origins; "localhost" is every loopback origin), --host with several addresses (a,b), --api-key
+(LOCALLLM_API_KEY), --no-slots, and --metrics (absent: --no-metrics, as llama-server's default).
 Every other flag is dropped: localllm has no equivalent, or its behaviour is localllm's default (--jinja,
 --metrics, --slots, --kv-unified, --cont-batching).
 """
@@ -66,18 +67,30 @@ def localllm(argv: list[str]) -> list[str]:
     for flag, value in pairs(argv):
         if flag in ("--alias", "-a") and value:
             alias = value
+            out += ["--alias", value]  # the names /v1/models lists and requests may use
+        elif flag in ("--tags", "--cors-origins") and value:
+            out += ["--tags" if flag == "--tags" else "--allowed-origins", value]
         elif flag == "--api-key" and value:
             os.environ["LOCALLLM_API_KEY"] = value
         elif flag in KEPT and value is not None:
             if flag == "--temp" and float(value) == 0.0:
                 value = "0"
             out += [KEPT[flag], value]
+    alias = alias.split(",")[0].strip()  # --alias a,b: installed as a (serve --alias names them all)
     # one store per alias, so that the server lists the one model llama-server would (the blob is copied once each)
     os.environ["LOCALLLM_HOME"] = str(Path(os.environ["LOCALLLM_HOME"]) / alias.replace("/", "_").replace(":", "_"))
     install(alias)
     # llama-server's /metrics is off unless asked for, its /slots on unless turned off; localllm's are both on
     out += ["--no-slots"] if "--no-slots" in argv else []
     out += [] if "--metrics" in argv else ["--no-metrics"]
+    # llama-server without --kv-unified gives each of -np slots ctx / np tokens; localllm shares one cache
+    given = dict(p for p in pairs(argv) if p[1] is not None)
+    n_par, n_ctx = given.get("-np") or given.get("--parallel"), given.get("-c") or given.get("--ctx-size")
+    if n_par and n_ctx and "--kv-unified" not in argv and "-kvu" not in argv and int(n_par) > 1:
+        out += ["--ctx-per-slot", str(int(n_ctx) // int(n_par))]
+    out += ["--verbose"] if "--verbose" in argv else []  # `__verbose` in replies
+    # llama-server refuses a prompt over the context (400 exceed_context_size_error) unless it shifts
+    out += [] if "--context-shift" in argv else ["--context-policy", "error"]
     return [*out, "-m", alias]
 
 

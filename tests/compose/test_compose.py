@@ -139,9 +139,10 @@ def test_a_final_assistant_message_is_continued_not_answered(engine: Any) -> Non
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "json foo"}]
     req = RequestBuilder(fmt, engine).chat(turns, Options()).request
     assert req.prompt == engine.tokenize("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\njson foo")
-    parts = [{"type": "text", "text": "json "}, {"type": "text", "text": "foo"}]  # OpenAI content parts
+    # OpenAI content parts: joined by a blank line, as llama.cpp's common_chat_msg::render_content continues them
+    parts = [{"type": "text", "text": "json"}, {"type": "text", "text": "foo"}]
     assert RequestBuilder(fmt, engine).chat([turns[0], {"role": "assistant", "content": parts}], Options()).request.prompt \
-        == req.prompt
+        == engine.tokenize("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\njson\n\nfoo")
     with pytest.raises(InvalidInput, match="Cannot have 2 or more assistant messages at the end of the list"):
         RequestBuilder(fmt, engine).chat([*turns, {"role": "assistant", "content": "bar"}], Options())
 

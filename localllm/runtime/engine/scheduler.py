@@ -34,7 +34,7 @@ from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
-from localllm.runtime.types import Chunk, Notice, Request, Result
+from localllm.runtime.types import Chunk, Notice, PromptProgress, Request, Result
 
 __all__ = ["Engine", "Stream"]
 
@@ -49,6 +49,7 @@ class Engine(ThreadSubmit):
     (0 disables it); histories shorter than min_park_tokens are not parked. disk_cache: a folder for the
     disk tier behind it (runtime/cache/disk.py; one per model and KV layout) and its byte budget.
     prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
+    ctx_per_slot: the most tokens one sequence may hold (None: all of n_ctx).
     cpu_kernels: llama.Model's.
     """
 
@@ -61,7 +62,7 @@ class Engine(ThreadSubmit):
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
                  disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
-                 rpc: list[str] | None = None) -> None:
+                 rpc: list[str] | None = None, ctx_per_slot: int | None = None) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
@@ -71,7 +72,8 @@ class Engine(ThreadSubmit):
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full)
-        self.n_ctx = self.ctx.n_ctx_seq  # the most one sequence may hold
+        # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
+        self.n_ctx = min(self.ctx.n_ctx_seq, ctx_per_slot) if ctx_per_slot else self.ctx.n_ctx_seq
         self.n_batch = n_batch
         self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
@@ -86,9 +88,16 @@ class Engine(ThreadSubmit):
         self._waiting: deque[Job] = deque()
         self._stop = False
         self._shown: dict[tuple[str, ...], frozenset[int]] = {}  # a reply syntax's markers → their tokens
-        self._counters = {"steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "kv_full": 0, "shifts": 0,
-                          "restored": 0, "copied_prefix": 0,
-                          "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0, "drafted": 0, "draft_accepted": 0}
+        # /metrics reads these (llama-server's names in brackets): prefill_tokens, cached_tokens [prompt_tokens,
+        # prompt_tokens_cached]; prefill_us: wall time of the steps that carried prompt tokens [prompt_seconds];
+        # decode_us, decode_steps: finished requests' first → last token time and steps, the first token being
+        # free [tokens_predicted_seconds]; busy_slots: summed over steps [n_busy_slots_per_decode]; n_tokens_max:
+        # the longest sequence seen; draft_steps: verifications of drafts [spec_decode_num_drafts]
+        self._counters: dict[str, int] = {  # times in µs, as llama-server keeps them
+            "steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "prefill_us": 0,
+            "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
+            "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
+            "drafted": 0, "draft_accepted": 0, "draft_steps": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         try:  # _cost: measured decode ms by batch rows, how long drafts may be
@@ -349,7 +358,10 @@ class Engine(ThreadSubmit):
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
+        self._counters["cached_tokens"] += n
         dst.job = job
+        if job.request.progress:  # before any prompt token is decoded
+            job.stream.put(Chunk(progress=PromptProgress(len(prompt), n, n, 0.0)))
         for notice in job.notices:
             job.stream.put(Chunk(notice=notice))
 
@@ -421,6 +433,7 @@ class Engine(ThreadSubmit):
         # chunked prefill of pending prompts within what is left of n_batch; while streams generate, at
         # most prefill_chunk per step, so that their next token does not wait for a whole batch of prompt
         room = min(batch.free, self.prefill_chunk) if n_gen else batch.free
+        prefilled: list[tuple[Slot, int]] = []  # slot, its prompt tokens in this batch
         for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
             job = s.job
             if room <= 0:
@@ -434,11 +447,12 @@ class Engine(ThreadSubmit):
                 row = batch.add(tok, len(s.tokens), s.id, last and i == len(take) - 1)
                 s.tokens.append(tok)
             job.pending = job.pending[len(take):]
-            self._counters["prefill_tokens"] += len(take)
+            prefilled.append((s, len(take)))
             if last:
                 rows.append((s, [row], [], len(s.tokens) - 1))
         if batch.n_tokens == 0:
             return
+        busy = sum(1 for s in self.slots if s.job is not None)
         t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)
@@ -455,19 +469,33 @@ class Engine(ThreadSubmit):
             else:
                 self._free_kv()
             return
-        self._counters["steps"] += 1
+        c = self._counters
+        c["steps"] += 1
+        c["busy_slots"] += busy
+        c["n_tokens_max"] = max(c["n_tokens_max"], max(len(s.tokens) for s, *_ in undo))
+        # counted once decoded (a batch rolled back for want of KV room is prefilled again)
+        c["prefill_tokens"] += sum(n for _, n in prefilled)
+        now = time.perf_counter()
+        for s, _ in prefilled:  # progress updates go out before the first token
+            job = s.job
+            if job is not None and job.request.progress:
+                job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
+                                                             (now - job.t_admit) * 1000)))
         for s, slot_rows, drafts, n0 in rows:
             job = s.job
             try:
                 out = verify(lambda r, job=job: job.sample(self.ctx, r), slot_rows, drafts)
                 if drafts:
                     settle_drafts(self.ctx, s, n0, drafts, len(out) - 1, self._counters)
+                    c["draft_steps"] += 1
                 for tok in out:
                     self._on_token(s, tok)
                     if s.job is not job:
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
+        if prefilled:  # after sampling, which reads the logits: the step's compute has finished
+            c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
     def _free_kv(self) -> None:
         """KV cache full: drop idle histories first, else shift or stop the biggest request."""
@@ -488,6 +516,10 @@ class Engine(ThreadSubmit):
             self._shift(max(shiftable, key=lambda s: len(s.tokens)), why)
         elif generating:  # stop the biggest generating request, as if its own context were full
             victim = max(generating, key=lambda s: len(s.tokens))
+            if victim.job.request.context_policy == "error":  # it may not be cut short: it fails, as in llama-server
+                self._fail(victim, EngineError(f"the context size has been exceeded: {why}",
+                                               "raise --ctx, or send fewer requests at once"))
+                return
             victim.job.stream.put(Chunk(notice=Notice("context_full", 0, why)))
             self._finish(victim, "length")
         else:
@@ -535,6 +567,9 @@ class Engine(ThreadSubmit):
         t.n_decoded = len(job.out_tokens)
         if job.t_first:
             t.decode_ms = (now - job.t_first) * 1000
+            if t.n_decoded:  # the first token came with the prompt: n - 1 decode steps
+                self._counters["decode_us"] += round(t.decode_ms * 1000)
+                self._counters["decode_steps"] += t.n_decoded - 1
         elif job.t_admit:
             t.prompt_ms = (now - job.t_admit) * 1000
         job.chain.close()

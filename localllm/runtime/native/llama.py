@@ -189,6 +189,7 @@ class Model:
         self.n_swa: int = int(lc.llama_model_n_swa(self._p))  # sliding-window size; 0 for full attention
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._eog: dict[int, bool] = {}
+        self._eog_all: list[int] | None = None  # eog_tokens(), once scanned
         self.media_tokens: list[int] = self._media_tokens()  # never sampled (see MEDIA_PLACEHOLDERS)
 
     def _media_tokens(self) -> list[int]:
@@ -251,6 +252,13 @@ class Model:
         if v is None:
             v = self._eog[token] = bool(lc.llama_vocab_is_eog(self.vocab, token))
         return v
+
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id (what ignore_eos bans); the vocabulary is scanned once (~0.1 s
+        for 262k tokens), on first use rather than at load."""
+        if self._eog_all is None:
+            self._eog_all = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        return list(self._eog_all)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)

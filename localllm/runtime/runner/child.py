@@ -27,7 +27,8 @@ from localllm.runtime.types import Chunk
 MODEL_FIELDS = ("path", "n_vocab", "bos", "eos", "add_bos", "add_eos", "vocab_type", "n_ctx_train", "n_layer",
                 "n_swa", "media_tokens")
 ENGINE_CALLS = frozenset({"tokenize", "detokenize", "stats", "reset_cache", "embed"})
-MODEL_CALLS = frozenset({"tokenize", "token_to_piece", "detokenize", "token_text", "is_eog", "meta", "size_bytes"})
+MODEL_CALLS = frozenset({"tokenize", "token_to_piece", "detokenize", "token_text", "is_eog", "eog_tokens", "meta",
+                         "size_bytes"})
 
 
 class _Child:

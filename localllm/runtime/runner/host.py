@@ -83,6 +83,7 @@ class RunnerModel:
         self._runner = runner
         self.__dict__.update(fields)
         self._pieces: dict[tuple[Any, ...], Any] = {}
+        self._eog_all: list[int] | None = None
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self._runner.call("model", "tokenize", text, add_special=add_special, parse_special=parse_special)
@@ -101,6 +102,11 @@ class RunnerModel:
 
     def is_eog(self, token: int) -> bool:
         return self._runner.call("model", "is_eog", token)
+
+    def eog_tokens(self) -> list[int]:
+        if self._eog_all is None:  # one round trip per runner: the vocabulary does not change
+            self._eog_all = self._runner.call("model", "eog_tokens")
+        return list(self._eog_all)
 
     def meta(self, key: str) -> str | None:
         return self._runner.call("model", "meta", key)

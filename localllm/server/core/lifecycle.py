@@ -16,9 +16,9 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
@@ -100,8 +100,11 @@ def default_model(state: ServerState, model: str | None, *, unknown: bool = Fals
     `unknown=True` (the OpenAI door: llama-server serves its model whatever the field says) a valid name
     that is not installed means the same, when that choice is clear: the default model, else exactly one
     model loaded, else exactly one installed; otherwise a 404 that names the model and lists what is
-    installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`)."""
+    installed. Then the installed model's own name comes back (`tiny` → `tiny:latest`). A name given by
+    `serve --alias` means the default model."""
     default = state.default_name
+    if model and default and model in state.aliases:
+        return default
     if model:
         if not unknown:
             return model
@@ -233,6 +236,39 @@ class Generation:
         async with self:
             res = await acollect(self.replies())
         return res
+
+
+class ClientGone(LocalLLMError):
+    """The client went away before its whole (non-streamed) reply was ready; nobody reads the answer."""
+
+    status = 499  # nginx's "client closed request", as llama-server's logs say for a cancelled task
+
+
+T = TypeVar("T")
+
+
+async def unless_gone(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[T]) -> T:
+    """`work` (collecting a whole reply), cancelled when the client disconnects first: a reply nobody waits
+    for would hold its slot to the end (llama-server cancels such a task too). `receive` is the request's
+    ASGI receive, past its body: its next message is the disconnect. Raises ClientGone then."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client left first, or this handler was cancelled: stop generating
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone("the client disconnected before the reply was ready")
+    return task.result()
 
 
 async def _submit(engine: ModelEngine, request: Request) -> TokenStream:

@@ -4,7 +4,9 @@
   to 127.0.0.1 and a page there talks to us as if same-origin.
 - Requests carrying an Origin that is not a local page or a configured origin are refused outright.
   Leaving out CORS headers is not enough: a cross-site `text/plain` POST needs no preflight, so the
-  browser would deliver it and only hide the answer.
+  browser would deliver it and only hide the answer. A preflight (OPTIONS) is answered 200 for any
+  origin, as llama-server answers it, but Access-Control-Allow-Origin goes to allowed origins only:
+  without it the browser sends nothing after the preflight, whatever the other headers say.
 - Optional API key (`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as llama-server takes it), and a
   cap on request body size. Blob uploads (`POST /api/blobs/<digest>`, model-sized like Ollama's) are
   exempt from the cap: they stream to a file in the store, never into memory, and the blob route
@@ -25,7 +27,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
+from localllm.errors import ContextOverflow
+
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "[::1]"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+PREFLIGHT_METHODS = b"GET, POST, DELETE, OPTIONS"  # llama-server's Access-Control-Allow-Methods
 OPEN_PATHS = frozenset({"/", "/health", "/api/version"})
 
 Scope = dict[str, Any]
@@ -173,6 +179,31 @@ def error_body(path: str, status: int, message: str) -> bytes:
     return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
 
+def overflow_body(path: str, exc: ContextOverflow) -> bytes:
+    """A prompt over the context: llama-server's exceed_context_size_error, in its words and with the
+    counts (it answers its OpenAI routes so too); Anthropic's and Ollama's paths keep their own shapes."""
+    hint = f" ({exc.hint})" if exc.hint else ""
+    if is_anthropic_path(path) or path.startswith("/api/") or path == "/":
+        return error_body(path, 400, exc.message + hint)
+    message = f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} tokens), " \
+              f"try increasing it{hint}"
+    return json.dumps({"error": {"code": 400, "message": message, "type": "exceed_context_size_error",
+                                 "n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx}}).encode()
+
+
+def is_loopback_origin(origin: str) -> bool:
+    """An Origin on this machine: http(s) to localhost, 127.0.0.1 or [::1] on any port; a bare host as a
+    non-browser client may send it ("localhost", "127.0.0.1:3000") counts too. `localhost.evil.com` is
+    not one: the host name is compared whole."""
+    origin = origin.strip().lower()
+    parts = urlsplit(origin if "://" in origin else f"http://{origin}")
+    try:
+        host = parts.hostname or ""
+    except ValueError:  # a malformed [v6] part
+        return False
+    return parts.scheme in ("http", "https") and host in LOOPBACK_NAMES
+
+
 class GuardMiddleware:
     def __init__(self, app: Any, *, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
                  api_key: str | None = None, max_body_bytes: int = 8 * 1024 * 1024) -> None:
@@ -187,8 +218,7 @@ class GuardMiddleware:
         origin = origin.rstrip("/").lower()
         if origin in self.origins or "*" in self.origins:
             return True
-        parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and (parts.hostname or "") in {"localhost", "127.0.0.1", "::1"}
+        return is_loopback_origin(origin)
 
     def key_ok(self, headers: dict[str, str]) -> bool:
         """`Authorization: Bearer KEY` or `X-Api-Key: KEY` (llama-server and Anthropic clients send that)."""
@@ -212,15 +242,15 @@ class GuardMiddleware:
                              "config.toml (or LOCALLLM_ALLOWED_HOSTS) if you mean to serve it.")
             return
         origin = headers.get("origin")
+        if scope["method"] == "OPTIONS" and origin:  # a preflight: answered for any origin, allowed or not
+            await self._preflight(send, origin, headers)
+            return
         if origin and origin != "null" and not self.origin_allowed(origin):
             await self._deny(send, path, 403, f"Cross-origin requests from {origin} are not allowed. "
                              "Add the origin to allowed_origins in config.toml (or LOCALLLM_ALLOWED_ORIGINS).")
             return
         if origin == "null":
             await self._deny(send, path, 403, "Requests from opaque origins are not allowed.")
-            return
-        if scope["method"] == "OPTIONS" and origin:
-            await self._preflight(send, origin, headers)
             return
         if self.api_key and path not in OPEN_PATHS and not self.key_ok(headers):
             await self._deny(send, path, 401, "Missing or wrong API key: send 'Authorization: Bearer <key>' "
@@ -259,18 +289,27 @@ class GuardMiddleware:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [
-                    (b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+                    (b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
             await send(message)
 
         return wrapped
 
     async def _preflight(self, send: Send, origin: str, headers: dict[str, str]) -> None:
-        await send({"type": "http.response.start", "status": 204, "headers": [
-            (b"access-control-allow-origin", origin.encode("latin-1")),
-            (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-            (b"access-control-allow-headers",
-             headers.get("access-control-request-headers", "content-type, authorization, x-api-key").encode("latin-1")),
-            (b"access-control-max-age", b"600"), (b"vary", b"Origin")]})
+        """200 with llama-server's headers for any origin; Access-Control-Allow-Origin only for an allowed
+        one, so a foreign page's browser still sends nothing (and a simple request is refused above).
+        An allowed origin gets the headers it asked for by name: a wildcard never covers Authorization,
+        and is no wildcard at all for a request with credentials. Allow-Credentials is llama-server's
+        answer and changes nothing here: the answers themselves never carry it, so a browser shows no
+        page an answer to a request sent with its cookies. Header names are spelled as llama-server spells
+        them (clients that copy them into a plain dict look them up so)."""
+        allowed = origin != "null" and self.origin_allowed(origin)
+        asked = headers.get("access-control-request-headers", "content-type, authorization, x-api-key")
+        out = [(b"Access-Control-Allow-Origin", origin.encode("latin-1"))] if allowed else []
+        out += [(b"Access-Control-Allow-Credentials", b"true"),
+                (b"Access-Control-Allow-Methods", PREFLIGHT_METHODS),
+                (b"Access-Control-Allow-Headers", asked.encode("latin-1") if allowed else b"*"),
+                (b"Access-Control-Max-Age", b"600"), (b"Vary", b"Origin"), (b"Content-Length", b"0")]
+        await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": b""})
 
     @staticmethod

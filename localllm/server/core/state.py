@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from localllm.config import Settings
+from localllm.config import Settings, model_names
 
 if TYPE_CHECKING:
     from localllm.compose.pool import ModelPool
@@ -47,6 +48,17 @@ class LoadTracker:
 
 
 @dataclass
+class Scrape:
+    """The loaded models' cumulative prompt and generation counts at the previous /metrics scrape: its
+    throughput gauges are rates over the window between two scrapes, as llama-server's are."""
+
+    prompt_tokens: int = 0
+    prompt_us: int = 0
+    decode_steps: int = 0
+    decode_us: int = 0
+
+
+@dataclass
 class ServerState:
     settings: Settings
     store: Store
@@ -61,10 +73,18 @@ class ServerState:
     default_name: str | None = None
     starting: bool = False  # until the default models are loaded (or one failed)
     on_fatal: Callable[[str], None] | None = None  # the CLI's hook: the default model could not load
+    started: float = field(default_factory=time.time)  # Unix time (/metrics' Process-Start-Time-Unix header)
+    last_scrape: Scrape = field(default_factory=Scrape)
 
     @property
     def remotes(self) -> Remotes:
         return self.composer.remotes
+
+    @property
+    def aliases(self) -> list[str]:
+        """`serve --alias a,b` (llama-server's): names the default model also answers to, sorted as
+        llama-server keeps them; /v1/models lists the model under the first."""
+        return sorted(set(model_names(self.settings.alias))) if self.default_name else []
 
 
 def server_state(request: Request) -> ServerState:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import codecs
 import math
+import time
 from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from localllm.errors import LocalLLMError
+from localllm.runtime.types import Chunk, PromptProgress, Timings
 
 
 def rfc3339(ts: float | None = None) -> str:
@@ -43,8 +45,41 @@ def timings_dict(t: Any) -> dict[str, Any]:
             "prompt_per_token_ms": t.prompt_ms / prompt_n if prompt_n else 0.0, "prompt_per_second": t.prompt_per_s,
             "predicted_n": t.n_decoded, "predicted_ms": t.decode_ms,
             "predicted_per_token_ms": 1000.0 / t.decode_per_s if t.decode_per_s > 0 else 0.0,
-            "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted,
-            "cache_tier": t.cache_tier}  # localllm's: where cache_n came from
+            "predicted_per_second": t.decode_per_s, "draft_n": t.draft_n, "draft_n_accepted": t.draft_accepted}
+
+
+class LiveTimings:
+    """llama-server's `timings_per_token`: a stream's timings so far, as each piece goes out. The prompt's
+    figures come from the engine's progress updates when the request asked for them (return_progress), else
+    from the time to the first token as this server saw it; decode time is this server's clock since the
+    first token. The finished reply's `timings` (the engine's own measurements) replace them at the end."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.n_prompt, self.t0 = n_prompt, time.perf_counter()
+        self.progress: PromptProgress | None = None
+        self.first: float | None = None
+        self.n = 0
+
+    def see(self, chunk: Chunk) -> None:
+        if chunk.progress is not None:
+            self.progress = chunk.progress
+        if chunk.tokens:
+            if self.first is None:
+                self.first = time.perf_counter()
+            self.n += len(chunk.tokens)
+
+    def now(self) -> dict[str, Any]:
+        p, t = self.progress, time.perf_counter()
+        prompt_ms = p.ms if p is not None and self.first is None else ((self.first or t) - self.t0) * 1000
+        return timings_dict(Timings(prompt_ms=prompt_ms, prompt_tokens=p.processed if p is not None and self.first is None
+                                    else self.n_prompt, cached_tokens=p.cache if p is not None else 0,
+                                    n_decoded=self.n, decode_ms=(t - self.first) * 1000 if self.first else 0.0))
+
+
+def cache_tier(t: Any) -> dict[str, str]:
+    """localllm's `prompt_cache_tier` beside `timings` (whose values llama-server's clients read as numbers):
+    where cache_n came from, "slot", "kv", "ram" or "disk"; absent when nothing was reused."""
+    return {"prompt_cache_tier": t.cache_tier} if t.cache_tier else {}
 
 
 def token_text(piece: bytes) -> str:

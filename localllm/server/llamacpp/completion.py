@@ -31,11 +31,12 @@ from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.remote.requests import RemoteBuilder
 from localllm.compose.requests import PARAM_KEYS, Options, RequestBuilder
 from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
-from localllm.runtime.types import GenerationParams, Result
-from localllm.server.core.embeddings import embed_texts
-from localllm.server.core.lifecycle import Generation, default_model, held
+from localllm.runtime.types import GenerationParams, PromptProgress, Result, Timings
+from localllm.server.core.embeddings import embed_texts, input_texts
+from localllm.server.core.lifecycle import Generation, default_model, held, unless_gone
+from localllm.server.core.security import overflow_body
 from localllm.server.core.state import server_state
-from localllm.server.core.wire import Body, error_text, notice_dict, probs_json, timings_dict
+from localllm.server.core.wire import Body, cache_tier, error_text, notice_dict, probs_json, timings_dict
 from localllm.server.llamacpp.prompts import Prompt, split_prompts
 
 Builder = RequestBuilder | RemoteBuilder
@@ -80,6 +81,8 @@ class CompletionBody(Body):
     n_probs: int | None = None  # > 0: completion_probabilities (llama-server also reads `logprobs`)
     post_sampling_probs: bool = False
     logit_bias: Any = None  # [[token id or text, bias or false], ...] or {"token id or text": bias}
+    return_progress: bool = False  # streamed: `prompt_progress` events while the prompt is prefilled
+    timings_per_token: bool = False  # streamed: `timings` on the progress events too
 
 
 class InfillBody(CompletionBody):
@@ -102,8 +105,8 @@ class DetokenizeBody(Body):
 
 class EmbeddingBody(Body):
     model: str | None = None
-    content: str | list[str] | None = None
-    input: str | list[str] | None = None
+    content: Any = None  # as /v1/embeddings' input (server/core/embeddings.py input_texts)
+    input: Any = None
     embd_normalize: int = 2
 
 
@@ -162,7 +165,7 @@ def _wire_options(body: CompletionBody) -> Options:
     return Options(sampling={k: fields.get(k) for k in PARAM_KEYS}, max_tokens=n_predict,
                    max_tokens_name="n_predict", stop=body.stop, json_schema=body.json_schema, grammar=body.grammar,
                    context_policy=body.context_policy, n_keep=body.n_keep, ignore_eos=body.ignore_eos,
-                   draft=body.model_extra or {}, logit_bias=body.logit_bias, post_sampling_probs=body.post_sampling_probs,
+                   progress=body.stream and body.return_progress, draft=body.model_extra or {}, logit_bias=body.logit_bias, post_sampling_probs=body.post_sampling_probs,
                    # llama-server's n_probs, alias `logprobs`; 0 (its default) means none
                    n_probs=(body.n_probs if body.n_probs is not None else (body.model_extra or {}).get("logprobs")) or None)
 
@@ -192,14 +195,6 @@ def generation_settings(params: GenerationParams, n_ctx: int, *, n_predict: int 
             "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in params.logit_bias]}
 
 
-def _exceed(exc: ContextOverflow) -> JSONResponse:
-    """llama-server's answer to a prompt over the context (server_task_result_error::to_json)."""
-    msg = f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} tokens), " \
-          "try increasing it" + (f" ({exc.hint})" if exc.hint else "")
-    return JSONResponse({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error",
-                                   "n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx}}, status_code=400)
-
-
 async def _start(request: Request, body: CompletionBody, build: Build,
                  index: int) -> tuple[Generation, AsyncIterator[dict[str, Any]]]:
     """Start one prompt (the `index`-th of a batch); its events: llama-server's partial ones, then the final."""
@@ -222,6 +217,16 @@ async def _start(request: Request, body: CompletionBody, build: Build,
         model = engine.model
         return model.detokenize(prompt_ids, special=True) if model is not None and prompt_ids else ""
 
+    def progress_event(p: PromptProgress) -> dict[str, Any]:
+        """llama-server's prompt progress event, before any text (its `tokens` is [0], a token never sampled:
+        empty here, so that the joined tokens of a stream are the answer's)."""
+        timings = Timings(prompt_ms=p.ms, prompt_tokens=p.processed, cached_tokens=p.cache)
+        return {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": id_slot(),
+                "tokens_predicted": 0, "tokens_evaluated": p.total,
+                **({"timings": timings_dict(timings)} if body.timings_per_token else {}),
+                "prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
+                                    "time_ms": int(p.ms)}}
+
     def final(acc: Result, stop_type: str, shown: str) -> dict[str, Any]:
         text = "" if warmup or body.stream else acc.text
         tokens = acc.tokens if body.return_tokens and not warmup and not body.stream else []
@@ -238,7 +243,7 @@ async def _start(request: Request, body: CompletionBody, build: Build,
                                             "context_full") for n in acc.notices),
                 **({"notices": [notice_dict(n) for n in acc.notices]} if acc.notices else {}),
                 "stop_type": stop_type, "stopping_word": acc.stop_word or "", "tokens_cached": acc.usage.cached_tokens,
-                "timings": timings_dict(acc.timings),
+                "timings": timings_dict(acc.timings), **cache_tier(acc.timings),
                 # streamed, each partial event carried its own
                 **({"completion_probabilities": probs_json(acc.probs)} if acc.probs and not body.stream else {})}
 
@@ -250,6 +255,8 @@ async def _start(request: Request, body: CompletionBody, build: Build,
         async with g:
             async for chunk, _ in g.replies():
                 acc.absorb(chunk)
+                if chunk.progress is not None and not warmup:
+                    yield progress_event(chunk.progress)
                 if (chunk.text or chunk.tokens) and not warmup:
                     yield {"index": index, "content": chunk.text, "tokens": list(chunk.tokens), "stop": False,
                            "id_slot": id_slot(), "tokens_predicted": len(acc.tokens), "tokens_evaluated": n_prompt,
@@ -274,7 +281,7 @@ async def _generate(request: Request, body: CompletionBody, *builds: Build, edit
         for g, _ in runs:
             g.close()
         if isinstance(exc, ContextOverflow):
-            return _exceed(exc)
+            return Response(overflow_body(request.url.path, exc), status_code=400, media_type="application/json")
         raise
     sup, key = server_state(request).supersede, None
     if edit is not None and len(runs) == 1 and body.n_predict != 0 and server_state(request).settings.supersede:
@@ -288,10 +295,14 @@ async def _generate(request: Request, body: CompletionBody, *builds: Build, edit
 
     if not body.stream:
         finals: dict[int, dict[str, Any]] = {}
-        try:
+
+        async def collect() -> None:
             async for _, item in amerge([events for _, events in runs]):
                 if item["stop"]:
                     finals[item["index"]] = flatten(item, body.response_fields)
+
+        try:
+            await unless_gone(request.receive, collect())
         finally:
             for g, _ in runs:
                 g.close()
@@ -393,7 +404,7 @@ async def embedding(body: EmbeddingBody, request: Request) -> Response:
     if body.embd_normalize < 0:
         raise InvalidInput("embd_normalize -1 (no normalization) is not supported",
                            "use 2 (Euclidean, the default), 1 (taxicab), 0 (max absolute) or p > 2")
-    texts = [value] if isinstance(value, str) else list(value)
+    texts = input_texts(value)
     state = server_state(request)
     out = await embed_texts(state, default_model(state, body.model), texts)
     return JSONResponse([{"index": i, "embedding": [_normalized(v, body.embd_normalize)]}

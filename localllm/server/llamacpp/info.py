@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from localllm.compose.requests import params_from
 from localllm.server.core.lifecycle import held
-from localllm.server.core.state import ServerState, server_state
+from localllm.server.core.state import Scrape, ServerState, server_state
 from localllm.server.llamacpp.completion import generation_settings
 
 router = APIRouter()
@@ -98,44 +98,99 @@ async def slots(request: Request) -> list[dict[str, Any]] | JSONResponse:
              "state": s["state"], "n_tokens": s["n_tokens"], "model": m["name"]} for s in st["slots"]]
 
 
+# llama-server's metrics (server_task_result_metrics::to_metrics), in its order, with its help texts;
+# localllm's own (kv_cache_tokens, n_drafted*, kv_cache_usage_ratio, localllm:*) follow them
+COUNTERS = {
+    "prompt_tokens_total": "Number of prompt tokens processed, excluding cached tokens",
+    "prompt_tokens_cached_total": "Number of prompt tokens reused from the cache",
+    "prompt_seconds_total": "Total time spent processing prompts",
+    "tokens_predicted_total": "Number of generation tokens processed",
+    "tokens_predicted_seconds_total": "Total time spent generating tokens",
+    "n_decode_total": "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+    "n_tokens_max": "Largest observed sequence length (prompt + generation)",
+    "spec_decode_num_draft_tokens_total": "Speculative: Total draft tokens generated",
+    "spec_decode_num_accepted_tokens_total": "Speculative: Total draft tokens accepted by the target model",
+    "spec_decode_num_drafts_total": "Speculative: Total speculative decoding verification steps",
+}
+GAUGES = {
+    "prompt_tokens_seconds": "Average prompt throughput in tokens/s",
+    "predicted_tokens_seconds": "Average generation throughput in tokens/s",
+    "requests_processing": "Number of requests processing",
+    "requests_deferred": "Number of requests deferred",
+    "n_busy_slots_per_decode": "Average number of busy slots per llama_decode() call",
+}
+EXTRA = {  # localllm's, kept under the names it has always used
+    "kv_cache_tokens": ("gauge", "KV cache cells holding tokens"),
+    "n_drafted_total": ("counter", "Speculative: draft tokens generated (as spec_decode_num_draft_tokens_total)"),
+    "n_drafted_accepted_total": ("counter", "Speculative: draft tokens accepted (as spec_decode_num_accepted_tokens_total)"),
+}
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    if not server_state(request).settings.metrics_endpoint:
+    state = server_state(request)
+    if not state.settings.metrics_endpoint:
         return _turned_off("metrics", "--metrics")
-    totals = {"prompt_tokens_total": 0, "tokens_predicted_total": 0, "requests_processing": 0,
-              "requests_deferred": 0, "kv_cache_tokens": 0, "n_decode_total": 0, "n_drafted_total": 0,
-              "n_drafted_accepted_total": 0}
-    cells = 0
+    keys = ("prefill_tokens", "cached_tokens", "prefill_us", "decoded_tokens", "decode_us", "decode_steps", "steps",
+            "busy_slots", "drafted", "draft_accepted", "draft_steps")
+    sums = dict.fromkeys(keys, 0)
+    n_tokens_max = processing = deferred = kv_tokens = cells = 0
     hits = dict.fromkeys(("slot", "kv", "ram", "disk"), 0)  # prompt cache hits by the tier that served them
     remote_rows = []  # (name, the remote engine's upstream and latency)
-    for m, engine in _engines(server_state(request)):
+    for m, engine in _engines(state):
         st = await run_in_threadpool(engine.stats)
         if st.get("remote"):
             remote_rows.append((m["name"], st["remote"]))
         for tier in hits:
             hits[tier] += st.get(f"hits_{tier}", 0)
-        totals["prompt_tokens_total"] += st.get("prefill_tokens", 0)
-        totals["tokens_predicted_total"] += st.get("decoded_tokens", 0)
-        totals["requests_processing"] += sum(1 for s in st["slots"] if s["state"] != "idle")
-        totals["requests_deferred"] += st.get("waiting", 0)
-        totals["kv_cache_tokens"] += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"])
-        totals["n_decode_total"] += st.get("steps", 0)
-        totals["n_drafted_total"] += st.get("drafted", 0)
-        totals["n_drafted_accepted_total"] += st.get("draft_accepted", 0)
+        for key in keys:
+            sums[key] += st.get(key, 0)  # a remote model has none of these
+        n_tokens_max = max(n_tokens_max, st.get("n_tokens_max", 0))
+        processing += sum(1 for s in st["slots"] if s["state"] != "idle")
+        deferred += st.get("waiting", 0)
+        kv_tokens += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"])
         cells += st.get("n_ctx", 0)
-    kinds = {k: ("counter" if k.endswith("_total") else "gauge") for k in totals}
+    # the throughput gauges cover the window since the previous scrape (a model unloaded since then
+    # takes its counts with it: a window that would go negative counts from zero)
+    last = state.last_scrape
+    d_prompt, d_prompt_us = sums["prefill_tokens"] - last.prompt_tokens, sums["prefill_us"] - last.prompt_us
+    d_steps, d_decode_us = sums["decode_steps"] - last.decode_steps, sums["decode_us"] - last.decode_us
+    if min(d_prompt, d_prompt_us, d_steps, d_decode_us) < 0:
+        d_prompt, d_prompt_us, d_steps, d_decode_us = (sums["prefill_tokens"], sums["prefill_us"],
+                                                       sums["decode_steps"], sums["decode_us"])
+    state.last_scrape = Scrape(sums["prefill_tokens"], sums["prefill_us"], sums["decode_steps"], sums["decode_us"])
+    values: dict[str, float] = {
+        "prompt_tokens_total": sums["prefill_tokens"], "prompt_tokens_cached_total": sums["cached_tokens"],
+        "prompt_seconds_total": sums["prefill_us"] / 1e6, "tokens_predicted_total": sums["decoded_tokens"],
+        "tokens_predicted_seconds_total": sums["decode_us"] / 1e6, "n_decode_total": sums["steps"],
+        "n_tokens_max": n_tokens_max, "spec_decode_num_draft_tokens_total": sums["drafted"],
+        "spec_decode_num_accepted_tokens_total": sums["draft_accepted"],
+        "spec_decode_num_drafts_total": sums["draft_steps"],
+        "prompt_tokens_seconds": d_prompt * 1e6 / d_prompt_us if d_prompt_us > 0 else 0.0,
+        "predicted_tokens_seconds": d_steps * 1e6 / d_decode_us if d_decode_us > 0 else 0.0,
+        "requests_processing": processing, "requests_deferred": deferred,
+        "n_busy_slots_per_decode": sums["busy_slots"] / max(sums["steps"], 1),
+        "kv_cache_tokens": kv_tokens, "n_drafted_total": sums["drafted"],
+        "n_drafted_accepted_total": sums["draft_accepted"]}
+    kinds = {**dict.fromkeys(COUNTERS, "counter"), **dict.fromkeys(GAUGES, "gauge"),
+             **{k: kind for k, (kind, _) in EXTRA.items()}}
+    helps = {**COUNTERS, **GAUGES, **{k: text for k, (_, text) in EXTRA.items()}}
     lines = []
-    for key, value in totals.items():
-        lines += [f"# HELP llamacpp:{key} {key.replace('_', ' ')}", f"# TYPE llamacpp:{key} {kinds[key]}",
-                  f"llamacpp:{key} {value}"]
+    for key, value in values.items():
+        lines += [f"# HELP llamacpp:{key} {helps[key]}", f"# TYPE llamacpp:{key} {kinds[key]}",
+                  f"llamacpp:{key} {value}"]  # counts stay exact integers
     lines += ["# HELP localllm:prompt_cache_hits_total requests whose prompt prefix came from the cache, by tier",
               "# TYPE localllm:prompt_cache_hits_total counter"]
     lines += [f'localllm:prompt_cache_hits_total{{tier="{t}"}} {n}' for t, n in hits.items()]
     lines += remote_metrics(remote_rows)
-    ratio = totals["kv_cache_tokens"] / cells if cells else 0.0
+    ratio = kv_tokens / cells if cells else 0.0
     lines += ["# HELP llamacpp:kv_cache_usage_ratio KV cache cells in use / total",
               "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {ratio:.6f}"]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    res = PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    # llama-server's header, in its case: names are case-insensitive, but clients that read the headers
+    # into a plain dict (llama.cpp's own tests) look it up as written; Starlette would lower-case it
+    res.raw_headers.append((b"Process-Start-Time-Unix", str(int(state.started)).encode()))
+    return res
 
 
 def remote_metrics(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -22,7 +22,7 @@ from localllm.compose.requests import Options
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Result
 from localllm.server.core.embeddings import embed_texts
-from localllm.server.core.lifecycle import Generation, Lease, finish_reason, held
+from localllm.server.core.lifecycle import Generation, Lease, finish_reason, held, unless_gone
 from localllm.server.core.state import ServerState, server_state
 from localllm.server.core.wire import Body, error_text, notice_dict, rfc3339
 
@@ -147,7 +147,7 @@ async def _run(request: Request, body: _GenCommon, build: Any, chat: bool) -> Re
         return {**head, "message": message}
 
     if not body.stream:
-        res = await g.collect()
+        res = await unless_gone(request.receive, g.collect())
         reply = g.parser
         return JSONResponse({**line(reply.content, reply.reasoning, reply.calls), "done": True,
                              **_stats(res, t0, g.load_ms)})

@@ -28,19 +28,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from localllm.compose.pipeline import amerge
 from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, finish_word
 from localllm.compose.requests import PARAM_KEYS, Options, n_choices
+from localllm.config import model_names
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Result, Usage
-from localllm.server.core.embeddings import embed_texts
-from localllm.server.core.lifecycle import Generation, Lease, default_model, finish_reason
+from localllm.server.core.embeddings import embed_texts, input_texts
+from localllm.server.core.lifecycle import Generation, Lease, default_model, finish_reason, held, unless_gone
 from localllm.server.core.state import ServerState, server_state
 from localllm.server.core.wire import (
     Body,
     LegacyLogprobs,
+    cache_tier,
     error_text,
     notice_dict,
     probs_json,
@@ -89,6 +92,7 @@ class _Common(Body):
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None  # llama-server's: the reply is JSON valid against it
     logit_bias: Any = None  # OpenAI's {"token id": bias}, or llama-server's forms (compose.logit_bias_pairs)
+    verbose: bool | None = None  # llama-server's: `__verbose` (the prompt as the model saw it); None: `serve --verbose`
 
 
 class ChatCompletionRequest(_Common):
@@ -106,6 +110,10 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     think: Any = None
     reasoning_budget: int | None = None
+    # vLLM's and llama-server's explicit prefill: the last (assistant) message is continued, not answered;
+    # it needs add_generation_prompt false (a conversation ending with an assistant message is one anyway)
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(_Common):
@@ -118,7 +126,7 @@ class CompletionRequest(_Common):
 
 class EmbeddingRequest(Body):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Any  # a string, or a list of strings or of {"content": [text parts]} (server/core/embeddings.py)
 
 
 # OpenAI's backend fingerprint, in llama-server's shape ("b" + build): the llama.cpp bindings and localllm
@@ -177,8 +185,22 @@ def _prompt_text(prompt: str | list[str] | list[int]) -> str | list[int]:
                        "send one request per prompt")
 
 
+def _continuation(body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> None:
+    """llama-server's checks of continue_final_message (vLLM's name for a prefill)."""
+    if not body.continue_final_message:
+        return
+    if body.add_generation_prompt:
+        raise InvalidInput("Cannot set both add_generation_prompt and continue_final_message to true",
+                           "send add_generation_prompt false to continue the last message")
+    if not messages or messages[-1].get("role") != "assistant":
+        raise InvalidInput("continue_final_message needs the conversation to end with an assistant message")
+    if messages[-1].get("tool_calls"):
+        raise InvalidInput("Cannot continue an assistant message that contains tool calls")
+
+
 def _chat_request(state: ServerState, body: ChatCompletionRequest, lease: Lease) -> Plan:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    _continuation(body, messages)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     plan = state.composer.builder(lease.name, lease.engine).chat(messages, _wire_options(body, limit), tools=body.tools)
     if (body.model_extra or {}).get("reasoning_format") == "none" and plan.reply is not None:
@@ -278,9 +300,9 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
                 yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
         async for i, (chunk, deltas) in amerge([g.replies() for g in gens]):
             if chunk.timings is not None:
-                timings[i] = timings_dict(chunk.timings)
+                timings[i] = {"timings": timings_dict(chunk.timings), **cache_tier(chunk.timings)}
             # llama-server puts `timings` on the stream's last event: the usage chunk, else the finishing one
-            last = {"timings": timings[i]} if timings[i] is not None and not include_usage else {}
+            last = timings[i] if timings[i] is not None and not include_usage else {}
             if chunk.notice is not None:  # what the engine did to the context, as it happens
                 notices[i].append(notice_dict(chunk.notice))
                 yield _sse({**base, "choices": [_empty_choice(chat, i)], "notice": notices[i][-1]})
@@ -307,8 +329,7 @@ async def _events(gens: list[Generation], *, chat: bool, base: dict[str, Any], i
             if chunk.usage is not None:
                 usages[i] = chunk.usage
         if include_usage and all(u is not None for u in usages):
-            yield _sse({**base, "choices": [], "usage": _usage(_summed(usages)),
-                        **({"timings": timings[0]} if timings[0] else {})})
+            yield _sse({**base, "choices": [], "usage": _usage(_summed(usages)), **(timings[0] or {})})
     except Exception as exc:  # this client's stream only; the server log has the details
         logging.getLogger("localllm.server").exception("stream failed")
         code, message = error_text(exc)
@@ -365,7 +386,7 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
         include = bool((body.stream_options or {}).get("include_usage"))
         events = _events(gens, chat=chat, base=base, include_usage=include, echo=echo)
         return StreamingResponse(events, media_type=SSE, headers={"Cache-Control": "no-cache"})
-    results = await _collect(gens)
+    results = await unless_gone(request.receive, _collect(gens))
     asked = g.request.n_probs is not None
     out = []
     for i, res in enumerate(results):
@@ -376,9 +397,21 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             out.append({"index": i, "text": echo + res.text, "logprobs": logprobs, "finish_reason": reason})
+    verbose = body.verbose if body.verbose is not None else state.settings.verbose
     return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": out,
                          "usage": _usage(_summed([r.usage for r in results])),
-                         "timings": timings_dict(results[0].timings), **_notices(results)})
+                         "timings": timings_dict(results[0].timings), **cache_tier(results[0].timings),
+                         **_notices(results), **({"__verbose": _verbose(g, results[0])} if verbose else {})})
+
+
+def _verbose(g: Generation, res: Result) -> dict[str, Any]:
+    """llama-server's `__verbose`: the first choice as its /completion would give it, with the prompt as the
+    model saw it (special tokens written out)."""
+    model, prompt = g.engine.model, list(g.stream.prompt)
+    return {"content": res.text, "prompt": model.detokenize(prompt, special=True) if model is not None and prompt else "",
+            "tokens_evaluated": res.usage.prompt_tokens, "tokens_predicted": res.usage.completion_tokens,
+            "tokens_cached": res.usage.cached_tokens,
+            "timings": timings_dict(res.timings)}
 
 
 def _notices(results: list[Result]) -> dict[str, Any]:
@@ -392,6 +425,20 @@ def _notices(results: list[Result]) -> dict[str, Any]:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _run(request, body, chat=True)
+
+
+@router.post("/v1/chat/completions/input_tokens")
+@router.post("/chat/completions/input_tokens")
+async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> Response:
+    """llama-server's count of a chat request's prompt tokens (template, tools and generation prompt), as
+    /chat/completions would send them to the model; nothing is generated."""
+    state = server_state(request)
+    if not body.messages:
+        raise InvalidInput("messages must not be empty")
+    async with held(state, default_model(state, body.model, unknown=True)) as lease:
+        plan = await run_in_threadpool(_chat_request, state, body, lease)
+    prompt = plan.request.prompt
+    return JSONResponse({"input_tokens": len(prompt) if isinstance(prompt, list) else 0})
 
 
 @router.post("/v1/completions")
@@ -412,23 +459,35 @@ async def models(request: Request) -> dict[str, Any]:
                 for m in installed]
         return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
-    data = [{"id": m.name, "object": "model", "created": int(m.created), "owned_by": "localllm"} for m in installed]
+    data = [_model_entry(server_state(request), m.name, m.created) for m in installed]
     return {"object": "list", "data": data}
+
+
+def _model_entry(state: ServerState, name: str, created: float) -> dict[str, Any]:
+    """One model as /v1/models lists it: by its installed name, or the default model as `serve --alias`
+    named it (the first alias, with all of them and `--tags`, as llama-server lists its model)."""
+    if name != state.default_name or not state.aliases:
+        return {"id": name, "object": "model", "created": int(created), "owned_by": "localllm"}
+    return {"id": state.aliases[0], "aliases": state.aliases, "tags": model_names(state.settings.tags),
+            "object": "model", "created": int(created), "owned_by": "localllm"}
 
 
 @router.get("/v1/models/{name:path}")
 @router.get("/models/{name:path}")
 async def model(name: str, request: Request) -> dict[str, Any]:
-    remote = server_state(request).composer.remote(name)
-    man = remote or server_state(request).store.require(name)
-    return {"id": man.name, "object": "model", "created": int(man.created), "owned_by": "localllm"}
+    state = server_state(request)
+    if state.default_name and name in state.aliases:
+        name = state.default_name
+    remote = state.composer.remote(name)
+    man = remote or state.store.require(name)
+    return _model_entry(state, man.name, man.created)
 
 
 @router.post("/v1/embeddings")
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = server_state(request)
-    texts = body.input if isinstance(body.input, list) else [body.input]
+    texts = input_texts(body.input)
     name = default_model(state, body.model, unknown=True)
     out = await embed_texts(state, name, texts)
     n_tokens = out.n_tokens

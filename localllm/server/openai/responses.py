@@ -35,7 +35,7 @@ from localllm.compose.reply import Delta
 from localllm.runtime.types import Chunk, Result, Usage
 from localllm.server.core.lifecycle import Generation, Lease, default_model
 from localllm.server.core.state import ServerState, server_state
-from localllm.server.core.wire import error_text
+from localllm.server.core.wire import LiveTimings, error_text, timings_dict
 from localllm.server.openai.responses_wire import (
     ResponsesRequest,
     chat_messages,
@@ -215,20 +215,35 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
-async def events(gen: Generation, out: Output) -> AsyncIterator[bytes]:
+async def events(gen: Generation, out: Output, *, timings_per_token: bool = False) -> AsyncIterator[bytes]:
+    """The stream's events; llama-server's telemetry: prompt progress (Request.progress) as
+    response.in_progress events, `timings_per_token` the timings so far on each text delta and the engine's
+    own on the completed event."""
     res = Result()
+    live = LiveTimings(len(gen.stream.prompt)) if timings_per_token else None
     try:
         async with gen:
             yield _sse(out.event("response.created", response=out.response("in_progress")))
             yield _sse(out.event("response.in_progress", response=out.response("in_progress")))
             async for chunk, deltas in gen.replies():
                 res.absorb(chunk)  # raises the generation's error
+                if live is not None:
+                    live.see(chunk)
+                if chunk.progress is not None:
+                    p = chunk.progress
+                    yield _sse({**out.event("response.in_progress", response=out.response("in_progress")),
+                                "prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
+                                                    "time_ms": int(p.ms)},
+                                **({"timings": live.now()} if live is not None else {})})
                 for e in out.feed(chunk, deltas, gen.parser.in_reasoning):
+                    if live is not None and e["type"] == "response.output_text.delta":
+                        e = {**e, "timings": live.now()}
                     yield _sse(e)
             for e in out.finish(res.finish_reason == "length"):
                 yield _sse(e)
             status, final = _ending(out, res)
-            yield _sse(out.event("response." + status, response=final))
+            yield _sse({**out.event("response." + status, response=final),
+                        **({"timings": timings_dict(res.timings)} if live is not None else {})})
     except Exception as exc:  # this client's stream only; the server log has the details
         log.exception("response stream failed")
         message = error_text(exc)[1]
@@ -248,7 +263,7 @@ async def create(request: Request, body: ResponsesRequest) -> Response:
                                  keep_alive=body.keep_alive)
     out = Output(response_base(body, gen.name))
     if body.stream:
-        return StreamingResponse(events(gen, out), media_type=SSE, headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(gen, out, timings_per_token=body.timings_per_token), media_type=SSE, headers={"Cache-Control": "no-cache"})
     res = Result()
     async with gen:
         async for chunk, deltas in gen.replies():

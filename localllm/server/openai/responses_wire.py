@@ -52,6 +52,9 @@ class ResponsesRequest(Body):
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     keep_alive: str | int | float | None = None  # localllm's extension, as in the other dialects
+    # llama-server's stream telemetry: prompt progress as response.in_progress events, timings on each delta
+    return_progress: bool = False
+    timings_per_token: bool = False
 
 
 def refuse_state(body: ResponsesRequest) -> None:
@@ -221,4 +224,5 @@ def options(body: ResponsesRequest, choice: Any) -> Options:
     sampling = {**{k: extra.get(k) for k in PARAM_KEYS}, "temperature": body.temperature, "top_p": body.top_p}
     return Options(sampling=sampling, max_tokens=body.max_output_tokens, max_tokens_name="max_output_tokens",
                    stop=extra.get("stop"), format=json_format(body.text), think=effort(body.reasoning),
-                   tool_choice=choice, context_policy=TRUNCATION[body.truncation])
+                   tool_choice=choice, context_policy=TRUNCATION[body.truncation],
+                   progress=body.stream and body.return_progress)
