@@ -516,10 +516,6 @@ class Engine(ThreadSubmit):
             self._shift(max(shiftable, key=lambda s: len(s.tokens)), why)
         elif generating:  # stop the biggest generating request, as if its own context were full
             victim = max(generating, key=lambda s: len(s.tokens))
-            if victim.job.request.context_policy == "error":  # it may not be cut short: it fails, as in llama-server
-                self._fail(victim, EngineError(f"the context size has been exceeded: {why}",
-                                               "raise --ctx, or send fewer requests at once"))
-                return
             victim.job.stream.put(Chunk(notice=Notice("context_full", 0, why)))
             self._finish(victim, "length")
         else:
