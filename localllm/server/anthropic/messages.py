@@ -28,7 +28,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, ToolCall
@@ -40,7 +39,7 @@ from localllm.server.anthropic.wire import (
     chat_options,
     chat_tools,
 )
-from localllm.server.core.lifecycle import Generation, Lease, default_model, held
+from localllm.server.core.lifecycle import Generation, Lease, default_model, prompt_tokens
 from localllm.server.core.security import anthropic_error
 from localllm.server.core.state import ServerState, server_state
 from localllm.server.core.wire import error_text
@@ -204,7 +203,4 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     would send them to the model."""
     state = server_state(request)
     name = default_model(state, body.model, unknown=True)
-    async with held(state, name) as lease:
-        plan = await run_in_threadpool(_build, state, body, lease)
-    prompt = plan.request.prompt
-    return JSONResponse({"input_tokens": len(prompt) if isinstance(prompt, list) else 0})
+    return JSONResponse({"input_tokens": await prompt_tokens(state, name, lambda lease: _build(state, body, lease))})

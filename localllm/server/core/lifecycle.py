@@ -161,6 +161,7 @@ class Generation:
         self.keep_alive = keep_alive
         self.completed = False  # the reply was read to its end: keep_alive applies
         self.reply = AsyncReply(plan, stream, lease.engine.n_ctx, self._submit)
+        self._first = stream  # the prompt as submitted (a reasoning budget may swap the stream later)
         # a response that never starts (client gone before the first byte) still lets go of the model
         weakref.finalize(self, lease.release)
 
@@ -184,6 +185,16 @@ class Generation:
     @property
     def parser(self) -> ReplyParser:
         return self.reply.parser
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self._first.prompt)
+
+    def prompt_text(self) -> str:
+        """The prompt as the model saw it, special tokens written out (llama-server's `prompt`, `__verbose`);
+        a runner's round trip: call it off the event loop."""
+        model, prompt = self.engine.model, self.prompt
+        return model.detokenize(prompt, special=True) if model is not None and prompt else ""
 
     @property
     def load_ms(self) -> float:
@@ -236,6 +247,15 @@ class Generation:
         async with self:
             res = await acollect(self.replies())
         return res
+
+
+async def prompt_tokens(state: ServerState, name: str, build: Callable[[Lease], Plan]) -> int:
+    """How many tokens the request `build` makes would send to the model (template, tools, generation
+    prompt), nothing generated: Anthropic's count_tokens, llama-server's /chat/completions/input_tokens."""
+    async with held(state, name) as lease:
+        plan = await run_in_threadpool(build, lease)
+    prompt = plan.request.prompt
+    return len(prompt) if isinstance(prompt, list) else 0
 
 
 class ClientGone(LocalLLMError):

@@ -70,10 +70,19 @@ class LiveTimings:
 
     def now(self) -> dict[str, Any]:
         p, t = self.progress, time.perf_counter()
-        prompt_ms = p.ms if p is not None and self.first is None else ((self.first or t) - self.t0) * 1000
-        return timings_dict(Timings(prompt_ms=prompt_ms, prompt_tokens=p.processed if p is not None and self.first is None
-                                    else self.n_prompt, cached_tokens=p.cache if p is not None else 0,
-                                    n_decoded=self.n, decode_ms=(t - self.first) * 1000 if self.first else 0.0))
+        if self.first is None and p is not None:  # still reading the prompt: the engine's own figures
+            prompt_ms, prompt_tokens = p.ms, p.processed
+        else:
+            prompt_ms, prompt_tokens = ((self.first or t) - self.t0) * 1000, self.n_prompt
+        decode_ms = (t - self.first) * 1000 if self.first is not None else 0.0
+        return timings_dict(Timings(prompt_ms=prompt_ms, prompt_tokens=prompt_tokens,
+                                    cached_tokens=p.cache if p is not None else 0, n_decoded=self.n,
+                                    decode_ms=decode_ms))
+
+
+def progress_dict(p: PromptProgress) -> dict[str, Any]:
+    """llama-server's `prompt_progress` (the llama.cpp and Responses streams send it)."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.ms)}
 
 
 def cache_tier(t: Any) -> dict[str, str]:

@@ -30,13 +30,20 @@ from localllm.compose.pipeline import amerge
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.remote.requests import RemoteBuilder
 from localllm.compose.requests import PARAM_KEYS, Options, RequestBuilder
-from localllm.errors import ContextOverflow, InvalidInput, LocalLLMError
+from localllm.errors import InvalidInput, LocalLLMError
 from localllm.runtime.types import GenerationParams, PromptProgress, Result, Timings
 from localllm.server.core.embeddings import embed_texts, input_texts
 from localllm.server.core.lifecycle import Generation, default_model, held, unless_gone
-from localllm.server.core.security import overflow_body
 from localllm.server.core.state import server_state
-from localllm.server.core.wire import Body, cache_tier, error_text, notice_dict, probs_json, timings_dict
+from localllm.server.core.wire import (
+    Body,
+    cache_tier,
+    error_text,
+    notice_dict,
+    probs_json,
+    progress_dict,
+    timings_dict,
+)
 from localllm.server.llamacpp.prompts import Prompt, split_prompts
 
 Builder = RequestBuilder | RemoteBuilder
@@ -205,17 +212,12 @@ async def _start(request: Request, body: CompletionBody, build: Build,
     req, engine = g.request, g.engine
     # what generation_settings reports: the request's n_predict, else the server's default (-1: none)
     n_predict = body.n_predict if body.n_predict is not None else (state.composer.defaults().max_tokens or -1)
-    prompt_ids = list(g.stream.prompt)
+    n_prompt = len(g.prompt)
     warmup = body.n_predict == 0
 
     def id_slot() -> int:
         slot = g.stream.slot
         return slot if slot is not None else (body.id_slot if body.id_slot is not None else -1)
-
-    def prompt_text() -> str:
-        """The prompt as the model saw it, special tokens written out (llama-server's `prompt`)."""
-        model = engine.model
-        return model.detokenize(prompt_ids, special=True) if model is not None and prompt_ids else ""
 
     def progress_event(p: PromptProgress) -> dict[str, Any]:
         """llama-server's prompt progress event, before any text (its `tokens` is [0], a token never sampled:
@@ -224,8 +226,7 @@ async def _start(request: Request, body: CompletionBody, build: Build,
         return {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": id_slot(),
                 "tokens_predicted": 0, "tokens_evaluated": p.total,
                 **({"timings": timings_dict(timings)} if body.timings_per_token else {}),
-                "prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
-                                    "time_ms": int(p.ms)}}
+                "prompt_progress": progress_dict(p)}
 
     def final(acc: Result, stop_type: str, shown: str) -> dict[str, Any]:
         text = "" if warmup or body.stream else acc.text
@@ -251,7 +252,6 @@ async def _start(request: Request, body: CompletionBody, build: Build,
         """llama-server's partial events (a piece of text and its token ids) as they come, then the final one
         (the pipeline has cut the text at n_indent / t_max_predict_ms, as a length stop)."""
         acc, stop_type = Result(), None
-        n_prompt = len(prompt_ids)
         async with g:
             async for chunk, _ in g.replies():
                 acc.absorb(chunk)
@@ -264,7 +264,7 @@ async def _start(request: Request, body: CompletionBody, build: Build,
                 if chunk.finish_reason:  # "stop": a stop string (the engine names it) or an end-of-generation token
                     stop_type = {"length": "limit", "cancelled": "none"}.get(chunk.finish_reason) or (
                         "word" if chunk.stop_word else "eos")
-        yield final(acc, stop_type or "limit", await run_in_threadpool(prompt_text))
+        yield final(acc, stop_type or "limit", await run_in_threadpool(g.prompt_text))
 
     return g, run()
 
@@ -277,11 +277,9 @@ async def _generate(request: Request, body: CompletionBody, *builds: Build, edit
     try:
         for index, build in enumerate(builds):
             runs.append(await _start(request, body, build, index))
-    except BaseException as exc:
+    except BaseException:  # a prompt over the context is answered by the app's ContextOverflow handler
         for g, _ in runs:
             g.close()
-        if isinstance(exc, ContextOverflow):
-            return Response(overflow_body(request.url.path, exc), status_code=400, media_type="application/json")
         raise
     sup, key = server_state(request).supersede, None
     if edit is not None and len(runs) == 1 and body.n_predict != 0 and server_state(request).settings.supersede:

@@ -38,7 +38,14 @@ from localllm.config import model_names
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Result, Usage
 from localllm.server.core.embeddings import embed_texts, input_texts
-from localllm.server.core.lifecycle import Generation, Lease, default_model, finish_reason, held, unless_gone
+from localllm.server.core.lifecycle import (
+    Generation,
+    Lease,
+    default_model,
+    finish_reason,
+    prompt_tokens,
+    unless_gone,
+)
 from localllm.server.core.state import ServerState, server_state
 from localllm.server.core.wire import (
     Body,
@@ -398,17 +405,17 @@ async def _run(request: Request, body: _Common, *, chat: bool) -> Response:
         else:
             out.append({"index": i, "text": echo + res.text, "logprobs": logprobs, "finish_reason": reason})
     verbose = body.verbose if body.verbose is not None else state.settings.verbose
+    shown = await run_in_threadpool(g.prompt_text) if verbose else ""
     return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": out,
                          "usage": _usage(_summed([r.usage for r in results])),
                          "timings": timings_dict(results[0].timings), **cache_tier(results[0].timings),
-                         **_notices(results), **({"__verbose": _verbose(g, results[0])} if verbose else {})})
+                         **_notices(results), **({"__verbose": _verbose(shown, results[0])} if verbose else {})})
 
 
-def _verbose(g: Generation, res: Result) -> dict[str, Any]:
+def _verbose(prompt: str, res: Result) -> dict[str, Any]:
     """llama-server's `__verbose`: the first choice as its /completion would give it, with the prompt as the
     model saw it (special tokens written out)."""
-    model, prompt = g.engine.model, list(g.stream.prompt)
-    return {"content": res.text, "prompt": model.detokenize(prompt, special=True) if model is not None and prompt else "",
+    return {"content": res.text, "prompt": prompt,
             "tokens_evaluated": res.usage.prompt_tokens, "tokens_predicted": res.usage.completion_tokens,
             "tokens_cached": res.usage.cached_tokens,
             "timings": timings_dict(res.timings)}
@@ -435,10 +442,9 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> Re
     state = server_state(request)
     if not body.messages:
         raise InvalidInput("messages must not be empty")
-    async with held(state, default_model(state, body.model, unknown=True)) as lease:
-        plan = await run_in_threadpool(_chat_request, state, body, lease)
-    prompt = plan.request.prompt
-    return JSONResponse({"input_tokens": len(prompt) if isinstance(prompt, list) else 0})
+    n = await prompt_tokens(state, default_model(state, body.model, unknown=True),
+                            lambda lease: _chat_request(state, body, lease))
+    return JSONResponse({"input_tokens": n})
 
 
 @router.post("/v1/completions")

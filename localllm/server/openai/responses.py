@@ -35,7 +35,7 @@ from localllm.compose.reply import Delta
 from localllm.runtime.types import Chunk, Result, Usage
 from localllm.server.core.lifecycle import Generation, Lease, default_model
 from localllm.server.core.state import ServerState, server_state
-from localllm.server.core.wire import LiveTimings, error_text, timings_dict
+from localllm.server.core.wire import LiveTimings, error_text, progress_dict, timings_dict
 from localllm.server.openai.responses_wire import (
     ResponsesRequest,
     chat_messages,
@@ -220,7 +220,7 @@ async def events(gen: Generation, out: Output, *, timings_per_token: bool = Fals
     response.in_progress events, `timings_per_token` the timings so far on each text delta and the engine's
     own on the completed event."""
     res = Result()
-    live = LiveTimings(len(gen.stream.prompt)) if timings_per_token else None
+    live = LiveTimings(len(gen.prompt)) if timings_per_token else None
     try:
         async with gen:
             yield _sse(out.event("response.created", response=out.response("in_progress")))
@@ -230,10 +230,8 @@ async def events(gen: Generation, out: Output, *, timings_per_token: bool = Fals
                 if live is not None:
                     live.see(chunk)
                 if chunk.progress is not None:
-                    p = chunk.progress
                     yield _sse({**out.event("response.in_progress", response=out.response("in_progress")),
-                                "prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
-                                                    "time_ms": int(p.ms)},
+                                "prompt_progress": progress_dict(chunk.progress),
                                 **({"timings": live.now()} if live is not None else {})})
                 for e in out.feed(chunk, deltas, gen.parser.in_reasoning):
                     if live is not None and e["type"] == "response.output_text.delta":
