@@ -76,6 +76,25 @@ class GenerationParams:
         return out
 
 
+@dataclass(frozen=True)
+class Image:
+    """An image as the model reads it: RGB pixels, row by row (compose/media.py decodes and checks files).
+    `digest` names its content: an image's tokens in a prompt are `tokens(n)`, so two prompts share a cached
+    prefix through an image only when it is the same image."""
+
+    width: int
+    height: int
+    rgb: bytes  # width * height * 3 bytes
+    digest: str  # hex sha256 of the size and the pixels (64 hex digits)
+
+    def tokens(self, n: int) -> list[int]:
+        """The ids that stand for this image's `n` tokens in a prompt: negative (never a vocabulary id), cycling
+        through eight 30-bit slices of the digest, so a cached prefix runs on through an image only when all
+        240 bits agree."""
+        ids = [-1 - (int(self.digest[8 * i:8 * i + 8], 16) & 0x3FFFFFFF) for i in range(8)]
+        return [ids[i % 8] for i in range(n)]
+
+
 @dataclass
 class Request:
     """One generation. `prompt` is text (tokenized with the model's BOS) or token ids."""
@@ -109,6 +128,8 @@ class Request:
     # prompt progress chunks while the prompt is prefilled (llama-server's return_progress): one as the
     # request starts, then one after each batch that carried some of its prompt
     progress: bool = False
+    # images, in the order their tokens (Image.tokens) appear in `prompt` (token ids from Engine.tokenize_media)
+    media: list[Image] = field(default_factory=list)
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

@@ -26,6 +26,7 @@ from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.cache.parking import Parking, open_disk_tier
 from localllm.runtime.cache.prefix import common_prefix, kv_holds, worth_reusing
 from localllm.runtime.engine import context_shift
+from localllm.runtime.engine import media as prompt_media
 from localllm.runtime.engine.prefill_split import next_end, prefill_ends
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
@@ -34,7 +35,7 @@ from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
-from localllm.runtime.types import Chunk, Notice, PromptProgress, Request, Result
+from localllm.runtime.types import Chunk, Image, Notice, PromptProgress, Request, Result
 
 __all__ = ["Engine", "Stream"]
 
@@ -50,7 +51,8 @@ class Engine(ThreadSubmit):
     disk tier behind it (runtime/cache/disk.py; one per model and KV layout) and its byte budget.
     prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
     ctx_per_slot: the most tokens one sequence may hold (None: all of n_ctx).
-    cpu_kernels: llama.Model's.
+    cpu_kernels: llama.Model's. mmproj: a vision projector for this model (runtime/native/vision.py): requests
+    may then carry images.
     """
 
     kind: ClassVar[str] = "engine"
@@ -62,7 +64,8 @@ class Engine(ThreadSubmit):
                  swa_full: bool = True, state_cache_bytes: int = 256 << 20, min_park_tokens: int = 64,
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
                  disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
-                 rpc: list[str] | None = None, ctx_per_slot: int | None = None) -> None:
+                 rpc: list[str] | None = None, ctx_per_slot: int | None = None,
+                 mmproj: str | Path | None = None) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
@@ -100,6 +103,16 @@ class Engine(ThreadSubmit):
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
+        self.projector: Any = None  # runtime/native/vision.py Projector, when the model reads images
+        self._image_tokens: dict[str, int] = {}  # image digest → its token count (the projector's answer)
+        try:
+            if mmproj:
+                from localllm.runtime.native.vision import Projector
+
+                self.projector = Projector(self.model, mmproj, threads=self.ctx.n_threads, use_gpu=n_gpu_layers != 0)
+        except BaseException:
+            self._close_native()
+            raise
         try:  # _cost: measured decode ms by batch rows, how long drafts may be
             self._drafter, self._cost = make_drafter(self.spec, self.ctx, self._batch, slots=slots, threads=threads,
                                                      target_name=name)
@@ -119,7 +132,37 @@ class Engine(ThreadSubmit):
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: list[int]) -> str:
-        return self.model.detokenize(tokens)
+        """Text of token ids; an image's ids (Image.tokens, negative) read as the media marker, once per image."""
+        if all(t >= 0 for t in tokens):
+            return self.model.detokenize(tokens)
+        out, run = [], []
+        for i, t in enumerate(tokens):
+            if t >= 0:
+                run.append(t)
+            elif i == 0 or tokens[i - 1] >= 0:
+                out += [self.model.detokenize(run), "<__media__>"]
+                run = []
+        return "".join(out) + self.model.detokenize(run)
+
+    @property
+    def vision(self) -> bool:
+        """Whether requests may carry images (a projector is loaded)."""
+        return self.projector is not None
+
+    def tokenize_media(self, text: str, images: list[Image], *, add_special: bool = True,
+                       parse_special: bool = True) -> list[int]:
+        """Token ids of a prompt whose text holds one media marker ("<__media__>") per image, each image as
+        Image.tokens(its token count); the Request then carries the same images in `media`."""
+        if self.projector is None:
+            raise InvalidInput(f"{self.model.path.name} reads no images: it was loaded without a projector",
+                               "use a vision model (pull one with its mmproj file), or send text only")
+        return self.projector.tokenize(text, images, add_special=add_special, parse_special=parse_special)
+
+    def _n_image_tokens(self, image: Image) -> int:
+        n = self._image_tokens.get(image.digest)
+        if n is None:
+            n = self._image_tokens[image.digest] = self.projector.n_tokens(image)
+        return n
 
     def submit(self, request: Request) -> Stream:
         """Queue a request. Raises InvalidInput / ContextOverflow before anything runs."""
@@ -131,18 +174,26 @@ class Engine(ThreadSubmit):
                   if isinstance(request.prompt, str) else [int(t) for t in request.prompt])
         if not prompt:
             raise InvalidInput("prompt is empty after tokenization")
-        bad = [t for t in prompt if not 0 <= t < self.model.n_vocab]
+        bad = [t for t in prompt if not (0 <= t < self.model.n_vocab or (request.media and t < 0))]
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        spans: list[prompt_media.Span] = []
+        if request.media:
+            if self.projector is None:
+                self.tokenize_media("", request.media)  # raises: this model reads no images
+            spans = prompt_media.spans(prompt, request.media, self._n_image_tokens)
+            if len(prompt) >= self.n_ctx:  # an image cannot be cut: no truncation, whatever the policy
+                raise context_shift.overflow(len(prompt), self.n_ctx)
         prompt, notices = context_shift.fit_request(request, prompt, self.n_ctx)
         n_keep = 1 if request.n_keep == 0 and prompt[0] == self.model.bos else request.n_keep  # keep BOS
         n_keep = context_shift.effective_keep(n_keep, len(prompt), self.n_ctx)
-        spec = SpecState.for_request(self.spec, request) if self._drafter else None
+        # a request with images does not draft (drafts would be checked against an image's ids)
+        spec = SpecState.for_request(self.spec, request) if self._drafter and not spans else None
         chain = build_chain(self.model, request.params, grammar_for(request))
         state = StreamState()
         job = Job(request, prompt, state, chain, n_keep, notices=notices,
                   stop=StopMatcher(request.stop) if request.stop else None, spec=spec,
-                  shown=self._special_ids(request.show_special))
+                  shown=self._special_ids(request.show_special), media=spans)
         job.timings.prompt_tokens = len(prompt)
         self._inbox.put(job)
         return Stream(state, request.id, self._wake, list(prompt))
@@ -231,6 +282,8 @@ class Engine(ThreadSubmit):
         self._batch.close()
         if self._drafter is not None:
             self._drafter.close()
+        if self.projector is not None:
+            self.projector.close()
         self.ctx.close()
         self.model.close()
 
@@ -310,13 +363,13 @@ class Engine(ThreadSubmit):
     def _admit(self, job: Job, now: float) -> None:
         """Put a job in the free slot sharing the longest prefix; copy or restore a longer one if any.
         A prefix counts only where the KV memory still holds what follows it needs (kv_holds)."""
-        prompt = job.prompt
+        prompt, spans = job.prompt, job.media
         cap = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
         free = [s for s in self.slots if s.job is None]
-        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap), -s.last_used))
-        n = self._reusable(dst, prompt, cap)
-        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap), default=None)
-        n_src = self._reusable(src, prompt, cap) if src is not None else 0
+        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap, spans), -s.last_used))
+        n = self._reusable(dst, prompt, cap, spans)
+        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans), default=None)
+        n_src = self._reusable(src, prompt, cap, spans) if src is not None else 0
         tier, key, n_park = self._parked.best(prompt, cap)
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
         copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= n + _REUSE_MIN
@@ -340,7 +393,7 @@ class Engine(ThreadSubmit):
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
                     self.ctx.seq_rm(dst.id)
                     self._parked.refused(tier, key)  # type: ignore[arg-type]
-            n = self._reusable(dst, prompt, cap)
+            n = self._reusable(dst, prompt, cap, spans)
         else:
             self._parked.park(dst, keep=n)
         self._parked.clear_idle(self.slots, dst)
@@ -365,9 +418,10 @@ class Engine(ThreadSubmit):
         for notice in job.notices:
             job.stream.put(Chunk(notice=notice))
 
-    def _reusable(self, s: Slot, prompt: list[int], cap: int) -> int:
-        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are."""
-        n = min(common_prefix(s.tokens, prompt), cap)
+    def _reusable(self, s: Slot, prompt: list[int], cap: int, spans: list[prompt_media.Span]) -> int:
+        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are (an
+        image's tokens all or none)."""
+        n = prompt_media.reusable(min(common_prefix(s.tokens, prompt), cap), spans)
         ok = worth_reusing(n, len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa)
         return n if ok else 0
 
@@ -378,8 +432,9 @@ class Engine(ThreadSubmit):
         if len(s.tokens) + len(job.next_tokens) <= self.n_ctx:
             return
         policy = job.request.context_policy
-        if policy == "error" or not self.ctx.can_shift:
+        if policy == "error" or not self.ctx.can_shift or job.media:
             why = ("the context is full" if policy == "error"
+                   else "the context is full and a request with images cannot be shifted" if job.media
                    else "the context is full and this model's KV cache cannot be shifted")
             job.stream.put(Chunk(notice=Notice("context_full", 0, f"{why} ({self.n_ctx} tokens)")))
             self._finish(s, "length")
@@ -409,6 +464,11 @@ class Engine(ThreadSubmit):
         job.stream.put(Chunk(notice=Notice("context_shift", d, f"{why}: dropped {d} tokens after the first {k}")))
 
     def _decode_step(self) -> None:
+        for s in self.slots:  # an image due next in a prompt: the projector evaluates it (one per slot per step)
+            if s.job is not None and s.job.pending and s.job.media:
+                span = prompt_media.at(s.job.media, len(s.tokens))
+                if span is not None:
+                    self._eval_image(s, span)
         if self._drafter is not None and not self._draft_pause:
             collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx, self._cost)
         self._draft_pause = False
@@ -438,8 +498,13 @@ class Engine(ThreadSubmit):
             job = s.job
             if room <= 0:
                 break
-            end = next_end(job.ends, len(s.tokens))
-            take = job.pending[:min(room, end - len(s.tokens)) if end else room]
+            # a batch stops at a prefill cut and before an image
+            stops = [e for e in (next_end(job.ends, len(s.tokens)), prompt_media.text_until(job.media, len(s.tokens)))
+                     if e is not None]
+            end = min(stops) if stops else None
+            take = job.pending[:min(room, end - len(s.tokens)) if end is not None else room]
+            if not take:  # an image comes next: evaluated at the start of the next step
+                continue
             room -= len(take)
             undo.append((s, len(s.tokens), [], job.pending))
             last = len(take) == len(job.pending)
@@ -497,6 +562,33 @@ class Engine(ThreadSubmit):
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
+    def _eval_image(self, s: Slot, span: prompt_media.Span) -> None:
+        """Encode one image of a slot's prompt and decode its embeddings into the slot's sequence."""
+        job = s.job
+        assert job is not None and self.projector is not None
+        pos, t0 = len(s.tokens), time.perf_counter()
+        try:
+            new = self.projector.eval(self.ctx, span.image, pos, s.id, self.n_batch)
+        except NoKVSlot:
+            self._counters["kv_full"] += 1
+            self.ctx.seq_rm(s.id, pos, -1)
+            self._free_kv()  # room from idle histories (or a stopped request); the image is tried again
+            return
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(s, exc)
+            return
+        if new != pos + span.n:
+            self._fail(s, EngineError(f"an image took {new - pos} positions for {span.n} tokens"))
+            return
+        s.tokens += job.prompt[pos:span.end]
+        job.pending = job.pending[span.n:]
+        c = self._counters
+        c["prefill_tokens"] += span.n
+        c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+        if job.request.progress:
+            job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
+                                                         (time.perf_counter() - job.t_admit) * 1000)))
+
     def _free_kv(self) -> None:
         """KV cache full: drop idle histories first, else shift or stop the biggest request."""
         idle = [s for s in self.slots if s.job is None and s.tokens]
@@ -511,7 +603,7 @@ class Engine(ThreadSubmit):
         why = f"KV cache full ({len(active)} requests share {self.ctx.n_ctx} cells)"
         generating = [s for s in active if not s.job.pending]
         shiftable = [s for s in generating if s.job.request.context_policy != "error" and self.ctx.can_shift
-                     and len(s.tokens) > s.job.n_keep + 1]
+                     and not s.job.media and len(s.tokens) > s.job.n_keep + 1]
         if shiftable:  # the biggest request that allows it makes room by a context shift
             self._shift(max(shiftable, key=lambda s: len(s.tokens)), why)
         elif generating:  # stop the biggest generating request, as if its own context were full

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from localllm.runtime.engine import probs as token_probs
+from localllm.runtime.engine.media import Span
 from localllm.runtime.native.llama import Context, SamplerChain
 from localllm.runtime.speculative.verify import SpecState
 from localllm.runtime.types import Chunk, Notice, Request, Timings, TokenProbs, Usage
@@ -114,6 +115,7 @@ class Job:
     shown: frozenset[int] = frozenset()  # control tokens written out as text (Request.show_special)
     timings: Timings = field(default_factory=Timings)
     probs: list[TokenProbs] = field(default_factory=list)  # sampled, not yet sent (n_probs only), in order
+    media: list[Span] = field(default_factory=list)  # where the prompt's images are (runtime/engine/media.py)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.out_tokens),
