@@ -92,6 +92,9 @@ class Settings:
     # /api/pull over HTTP imports a .gguf path on the server's disk only with this on (the CLI always can);
     # otherwise HTTP clients upload files as blobs (POST /api/blobs/sha256:<hex>, then POST /api/create)
     allow_local_pull: bool = False
+    # an image part that is an http(s) URL is fetched (10 s, 20 MiB at most) only with this on; otherwise
+    # images come inline (data: URIs, base64), as a server on someone's laptop should not fetch for a web page
+    allow_image_urls: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
     # the disk tier behind it (<cache>/prompt-cache): parked states that outlive the process; 0 turns it off
     prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024
@@ -275,6 +278,7 @@ RULES: dict[str, Rule] = {
     "allowed_hosts": Rule("strs"),
     "max_body_bytes": Rule("int", 1),
     "allow_local_pull": Rule("bool"),
+    "allow_image_urls": Rule("bool"),
     "prefix_cache_bytes": Rule("int", 0),
     "prompt_cache_disk_bytes": Rule("int", 0),
     "supersede": Rule("bool"),

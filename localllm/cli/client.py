@@ -81,13 +81,14 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
 
 
 def run_on_server(url: str, model: str, prompt: str, *, raw: bool, options: dict[str, Any], verbose: bool,
-               api_key: str | None = None, think: bool | None = None) -> str:
+               api_key: str | None = None, think: bool | None = None, images: list[str] | None = None) -> str:
     """Stream one completion from the server to stdout (NDJSON; a reasoning model's `thinking` dimmed on
-    stderr, as `run` in-process prints it); returns the answer's text."""
+    stderr, as `run` in-process prints it); returns the answer's text. `images`: base64 files (Ollama's)."""
+    extra = {"images": images} if images else {}
     if raw:  # no template: /api/generate with raw sends the prompt as is
-        path, body = "/api/generate", {"model": model, "prompt": prompt, "raw": True}
+        path, body = "/api/generate", {"model": model, "prompt": prompt, "raw": True, **extra}
     else:
-        path, body = "/api/chat", {"model": model, "messages": [{"role": "user", "content": prompt}]}
+        path, body = "/api/chat", {"model": model, "messages": [{"role": "user", "content": prompt, **extra}]}
     body |= {"stream": True, "options": options, **({"think": think} if think is not None else {})}
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=_headers(api_key),
                                  method="POST")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,16 @@ def _stream(engine: Any, plan: Any, verbose: bool) -> str:
               "(default: as the model's template does). The reasoning goes to stderr.")
 @click.option("--reasoning-budget", type=click.IntRange(min=0), help="Reasoning models: close the reasoning "
               "after this many tokens and write the answer (0: no reasoning).")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="An image for a vision model to read with the prompt (repeat for several; PNG, JPEG, GIF, "
+              "WebP or BMP).")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The vision projector for a .gguf MODEL path (an installed model brings its own).")
 def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: int | None, gpu_layers: int | None,
         kv_type: str | None, temperature: float, seed: int | None, max_tokens: int, raw: bool,
         verbose: bool, no_server: bool, draft: str | None, lookup: bool, draft_max: int,
-        cpu_kernels: str | None, think: bool | None, reasoning_budget: int | None) -> None:
+        cpu_kernels: str | None, think: bool | None, reasoning_budget: int | None, images: tuple[Path, ...],
+        mmproj: Path | None) -> None:
     """Run MODEL (an installed name or a .gguf path) on PROMPT, piped stdin, or interactively.
 
     \b
@@ -129,6 +136,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
       localllm run gemma3:270m "Once upon a time"
       echo "Summarize: ..." | localllm run gemma3:270m
       localllm run ./model.gguf          (terminal chat UI)
+      localllm run gemma3:4b "What is in this picture?" --image photo.jpg
 
     With a PROMPT, a `localllm serve` answering at the configured address (LOCALLLM_HOST) runs it, so
     the model stays loaded between runs; --slots/--threads/--gpu-layers/--kv-type/--cpu-kernels then are
@@ -139,8 +147,11 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    ask = Asked(temperature, seed, max_tokens, raw, verbose, think, reasoning_budget, ctx)
-    no_server = no_server or bool(draft) or lookup
+    files = [_read_image(p) for p in images]
+    if files and prompt is None:
+        raise click.UsageError("--image needs a PROMPT (the question about the image)")
+    ask = Asked(temperature, seed, max_tokens, raw, verbose, think, reasoning_budget, ctx, tuple(files))
+    no_server = no_server or bool(draft) or lookup or mmproj is not None
     if prompt is not None and not no_server and _try_server(model, prompt, ask):
         return
     remote = _remote_model(model)
@@ -161,6 +172,9 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
 
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels)
+    projector = mmproj or _installed_projector(model)
+    if projector is not None:
+        kwargs["mmproj"] = projector
     if draft or lookup:
         from localllm.runtime.speculative.verify import SpecConfig
 
@@ -169,7 +183,8 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
         kwargs["name"] = model
     with Engine(path, **kwargs) as engine:
         fmt = raw_format() if raw else file_format(path, template_name, engine.model)
-        plan = RequestBuilder(fmt, engine).prompt(prompt, ask.options(), template=not raw, policy="shift")
+        plan = RequestBuilder(fmt, engine).prompt(prompt, ask.options(), template=not raw, policy="shift",
+                                                  images=ask.decoded_images())
         _stream(engine, plan, verbose)
         sys.stdout.write("\n")
 
@@ -186,6 +201,13 @@ class Asked:
     think: bool | None = None
     reasoning_budget: int | None = None
     ctx: int | None = None
+    images: tuple[tuple[str, bytes], ...] = ()  # (file name, its bytes), from --image
+
+    def decoded_images(self) -> list[Any]:
+        """The --image files as runtime Images, each checked (compose/media.py): a bad file is a clear error."""
+        from localllm.compose import media
+
+        return [media.decode(data, name) for name, data in self.images]
 
     def options(self) -> Any:
         from localllm.compose.requests import Options
@@ -198,6 +220,27 @@ class Asked:
         out: dict[str, Any] = {"temperature": self.temperature, "num_predict": self.max_tokens}
         extra = {"seed": self.seed, "num_ctx": self.ctx, "reasoning_budget": self.reasoning_budget}
         return out | {k: v for k, v in extra.items() if v is not None}
+
+
+def _read_image(path: Path) -> tuple[str, bytes]:
+    from localllm.compose.media import MAX_IMAGE_BYTES
+
+    try:
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise click.BadParameter(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MiB", param_hint="--image")
+        return path.name, path.read_bytes()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--image") from None
+
+
+def _installed_projector(model: str) -> Path | None:
+    """The vision projector an installed model was pulled with, if any."""
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf" or p.is_file():
+        return None
+    from localllm.models.store import Store
+
+    return Store().projector_path(model)
 
 
 def _remote_model(model: str) -> Any:
@@ -221,7 +264,8 @@ def _run_remote_model(remote: Any, prompt: str, ask: Asked) -> None:
 
     engine = RemoteEngine(remote=remote)
     try:
-        _stream(engine, RemoteBuilder(remote).prompt(prompt, ask.options(), template=not ask.raw), ask.verbose)
+        _stream(engine, RemoteBuilder(remote).prompt(prompt, ask.options(), template=not ask.raw,
+                                                     images=ask.decoded_images()), ask.verbose)
         sys.stdout.write("\n")
     finally:
         engine.close()
@@ -240,7 +284,8 @@ def _try_server(model: str, prompt: str, ask: Asked) -> bool:
         return False
     try:
         client.run_on_server(url, model, prompt, raw=ask.raw, options=ask.ollama_options(), verbose=ask.verbose,
-                          api_key=settings.api_key, think=ask.think)
+                             api_key=settings.api_key, think=ask.think,
+                             images=[base64.b64encode(data).decode() for _, data in ask.images])
     except client.ServerMissingModel:  # not installed there: in-process auto-pulls catalog models as before
         return False
     sys.stdout.write("\n")

@@ -195,6 +195,9 @@ def _settings(host: str | None, port: int | None, **more: Any) -> Any:
               help="Web pages (http://host:port) whose browsers may call the server, besides this "
               "machine's own (localhost: every loopback origin, always allowed); '*' allows every origin "
               "(LOCALLLM_ALLOWED_ORIGINS).")
+@click.option("--allow-image-urls", "allow_image_urls", flag_value=True, default=None,
+              help="Fetch images that requests name by http(s) URL (10 s, 20 MiB at most); off, images must come "
+              "inline as data: URIs or base64 (LOCALLLM_ALLOW_IMAGE_URLS).")
 @click.option("--rpc", type=Setting("rpc"), callback=_flag_check("rpc"), metavar="HOST:PORT[,HOST:PORT...]",
               help="Split every model's offloaded layers over these llama.cpp RPC workers (`localllm worker`); "
               "needs a build with RPC (bash native/build.sh rpc). Unauthenticated: loopback or a trusted "
@@ -205,7 +208,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
           n_predict: int | None, temperature: float | None, seed: int | None, chat_template: str | None,
           reasoning: str | None, slots_endpoint: bool | None, verbose: bool | None, metrics_endpoint: bool | None,
           alias: str | None, tags: str | None, allowed_origins: tuple[str, ...] | None,
-          rpc: str | None) -> None:
+          allow_image_urls: bool | None, rpc: str | None) -> None:
     """Serve installed models over HTTP: OpenAI (/v1), Ollama (/api) and llama.cpp (/infill) dialects.
 
     \b
@@ -222,7 +225,7 @@ def serve(host: str | None, port: int | None, log_level: str, draft: str | None,
                          model=model, ctx=ctx, ctx_per_slot=ctx_per_slot, context_policy=context_policy, slots=slots, n_predict=n_predict, temperature=temperature, seed=seed,
                          chat_template=chat_template, reasoning=reasoning, slots_endpoint=slots_endpoint,
                          verbose=verbose, metrics_endpoint=metrics_endpoint, rpc=rpc, alias=alias, tags=tags,
-                         allowed_origins=allowed_origins)
+                         allowed_origins=allowed_origins, allow_image_urls=allow_image_urls)
     if settings.alias and not settings.model:
         raise click.UsageError("--alias names the default model: give it with --model (or LOCALLLM_MODEL)")
     if settings.rpc:

@@ -24,6 +24,7 @@ from typing import Any
 
 from localllm.compose.call_syntax import preserved
 from localllm.compose.formats import ChatFormat, template_messages
+from localllm.compose.media import MARKER, split_images
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
@@ -32,7 +33,7 @@ from localllm.compose.tool_grammar import call_grammar
 from localllm.errors import InvalidInput
 from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.engine.context_shift import overflow
-from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Notice, Request
+from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Image, Notice, Request
 
 # sampling keys every dialect may send (Ollama options, OpenAI extras, llama.cpp fields)
 PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
@@ -87,6 +88,7 @@ class Defaults:
     max_tokens: int | None = None  # None / -1: until the model stops
     think: bool | None = None  # reasoning on / off for requests that do not say; None: the template's default
     context_policy: str | None = None  # `serve --context-policy`: instead of each door's own default
+    fetch_images: bool = False  # `serve --allow-image-urls`: image parts may be http(s) URLs, fetched
 
 
 @dataclass(frozen=True)
@@ -133,12 +135,15 @@ class RequestBuilder:
                     tools: list[Any] | None = None, generation_prompt: bool = True) -> str:
         """The prompt text a chat request renders to, exactly as chat() sends it (llama.cpp's
         /apply-template)."""
-        return self._rendering(options, tools).render(self._messages(messages), generation_prompt)[0]
+        msgs, _ = self._messages(messages)
+        return self._rendering(options, tools).render(msgs, generation_prompt)[0]
 
-    def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _messages(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image]]:
+        """The messages as templates take them, each image part a media marker, and the images in order."""
         if not messages:
             raise InvalidInput("messages must not be empty")
-        return template_messages(messages)
+        msgs, images = split_images(messages, fetch=self.defaults.fetch_images)
+        return template_messages(msgs), images
 
     def _rendering(self, options: Options, tools: list[Any] | None) -> _Rendering:
         think, budget = thinking(self.defaults.think if options.think is None else options.think,
@@ -151,17 +156,22 @@ class RequestBuilder:
         return _Rendering(self.fmt, tools, choice, forced, think, budget)
 
     def _chat(self, messages: list[dict[str, Any]], options: Options, *, tools: list[Any] | None, policy: str,
-              truncatable: bool) -> Plan:
-        messages = self._messages(messages)
+              truncatable: bool, images: list[Image] | None = None) -> Plan:
+        """`images`: already decoded, placed by markers in the messages' text (a templated prompt's)."""
+        messages, found = self._messages(messages)
+        images = [*(images or []), *found]
         how = self._rendering(options, tools)
         text, fmt, system_prefix = how.render(messages)
-        prompt = self._tokens(text)
+        prompt = self._tokens(text, images)
         notices: list[Notice] = []
         wire_policy = context_policy(options.context_policy, self.defaults.context_policy or policy)
-        if wire_policy == "truncate_history" and truncatable:
+        # a chat with images is not cut by turns (its images would have to be dropped with them): it fits or it
+        # is refused, by the engine
+        if wire_policy == "truncate_history" and truncatable and not images:
             prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: how.render(msgs)[0])
         n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
         req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
+        req.media = images
         req.show_special = preserved(self.fmt.template) + (fmt.think or ())
         if how.forced:
             assert how.tools is not None
@@ -198,23 +208,33 @@ class RequestBuilder:
         return list(self.model.tokenize(marker + "\n\n", add_special=False, parse_special=True))
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
-               template: bool = False, policy: str = "error") -> Request:
+               template: bool = False, policy: str = "error", images: list[Image] | None = None) -> Plan:
         """A prompt: sent as it is (token ids, text with BOS as the GGUF asks, or pieces of both), or with
         `template` as the one user message of a chat (Ollama /api/generate without `raw`, `localllm run`
         without --raw). Pieces are tokenized as llama-server's tokenize_mixed does: each string with special
-        tokens parsed, BOS only when the first piece is a string, token ids as given."""
+        tokens parsed, BOS only when the first piece is a string, token ids as given. `images` (decoded,
+        compose/media.py): a raw text places each at a media marker, one per image (llama.cpp's /completion
+        multimodal_data); the one chat message carries them before its text (Ollama's /api/generate)."""
         if not text:
             raise InvalidInput("prompt is empty", "send the text to complete")
+        images = images or []
         if template and isinstance(text, str) and self.fmt.template is not None:
             # one turn: nothing for truncate_history to drop, so it falls back to a shift as before
             head = [{"role": "system", "content": system}] if system else []
-            return self._chat([*head, {"role": "user", "content": text}], options, tools=None, policy=policy,
-                              truncatable=False)
+            return self._chat([*head, {"role": "user", "content": MARKER * len(images) + text}], options,
+                              tools=None, policy=policy, truncatable=False, images=images)
+        if images and not isinstance(text, str):
+            raise InvalidInput("a prompt with images must be text", f"send text with one {MARKER} per image")
+        if images and text.count(MARKER) != len(images):
+            raise InvalidInput(f"the prompt has {text.count(MARKER)} media markers for {len(images)} images",
+                               f"put one {MARKER} in the prompt where each image goes")
         if isinstance(text, str):
-            text = self._tokens(text)
+            text = self._tokens(text, images)
         elif any(isinstance(p, str) for p in text):
             text = self._pieces(text)
-        return Plan(self._request(list(text), options, stops=[], n_keep=0, policy=policy))
+        req = self._request(list(text), options, stops=[], n_keep=0, policy=policy)
+        req.media = images
+        return Plan(req)
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),
                middle_prefix: str = "", policy: str = "error", limits: TextLimits | None = None) -> Plan:
@@ -226,7 +246,9 @@ class RequestBuilder:
         return Plan(req, limits=limits)
 
     # ---- the parts -------------------------------------------------------------------------------
-    def _tokens(self, text: str) -> list[int]:
+    def _tokens(self, text: str, images: list[Image] | None = None) -> list[int]:
+        if images:  # the engine's projector places each image at its marker (Image.tokens)
+            return list(self.model.tokenize_media(text, images, add_special=True, parse_special=True))
         return list(self.model.tokenize(text, add_special=True, parse_special=True))
 
     def _pieces(self, pieces: list[int | str]) -> list[int]:

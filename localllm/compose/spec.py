@@ -239,7 +239,8 @@ class Composer:
         s = self.settings
         sampling = {"temperature": s.temperature, "seed": s.seed}
         think = {"on": True, "off": False}.get(s.reasoning)
-        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict, think, s.context_policy)
+        return Defaults({k: v for k, v in sampling.items() if v is not None}, s.n_predict, think, s.context_policy,
+                        bool(s.allow_image_urls))
 
     def builder(self, name: str, engine: ModelEngine) -> RequestBuilder | RemoteBuilder:
         """The request builder for a loaded model (its engine) under its name, with the server's defaults:

@@ -15,6 +15,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 # what the engine does when a sequence outgrows the context: stop with a notice, or shift (keep n_keep, drop
 # the oldest half of the rest); dropping whole chat turns (truncate_history) is the request builder's
 ContextPolicy = Literal["error", "shift"]
+# where an image goes in prompt text (llama.cpp mtmd's default media marker, as llama-server's /completion takes it)
+MEDIA_MARKER = "<__media__>"
 # Request.n_probs: most likely tokens reported per generated token (each is a JSON object on the wire)
 MAX_N_PROBS = 256
 

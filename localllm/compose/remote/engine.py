@@ -41,7 +41,7 @@ from localllm.errors import (
 from localllm.runtime.api import Embeddings, ModelView
 from localllm.runtime.engine.slots import StreamState
 from localllm.runtime.engine.stream import Stream
-from localllm.runtime.types import Chunk, Request, Timings, Usage
+from localllm.runtime.types import Chunk, Image, Request, Timings, Usage
 
 log = logging.getLogger("localllm.remote")
 CONNECT_TIMEOUT_S = 10.0
@@ -89,6 +89,7 @@ class RemoteEngine:
     kind: ClassVar[str] = "remote"
     on_loop: ClassVar[bool] = True  # asubmit waits for the upstream's status line on the caller's loop
     failure: LocalLLMError | None = None  # never "crashed": an upstream failure is per request
+    vision = False  # images pass through to the upstream as they came (compose/remote/requests.py); nothing local reads them
     n_ctx = 0  # the upstream's; not known here
     model: ModelView | None = None
 
@@ -181,6 +182,10 @@ class RemoteEngine:
         return {"slots": [], "n_ctx": 0, "waiting": 0, "remote": self.status()}
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        raise self._no_tokenizer()
+
+    def tokenize_media(self, text: str, images: list[Image], *, add_special: bool = True,
+                       parse_special: bool = True) -> list[int]:
         raise self._no_tokenizer()
 
     def detokenize(self, tokens: list[int]) -> str:

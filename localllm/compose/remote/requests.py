@@ -16,12 +16,14 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from localllm.compose import media
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.remote.engine import THINK, UpstreamCall, UpstreamRequest
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import thinking, tool_choice
 from localllm.compose.requests import Defaults, Options, json_format, logit_bias_pairs, params_from, stop_list
 from localllm.errors import InvalidInput
+from localllm.runtime.types import Image
 
 STANDARD = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
 # llama.cpp / vLLM / SGLang extensions, sent only when the client set them
@@ -56,7 +58,7 @@ class RemoteBuilder:
         return Plan(self._request("chat", body, options), reply=reply)
 
     def prompt(self, text: str | list[int] | list[int | str], options: Options, *, system: str | None = None,
-               template: bool = False, policy: str = "error") -> Plan:
+               template: bool = False, policy: str = "error", images: list[Image] | None = None) -> Plan:
         if not text:
             raise InvalidInput("prompt is empty", "send the text to complete")
         if not isinstance(text, str):
@@ -64,7 +66,13 @@ class RemoteBuilder:
                                "which lives on the upstream", "send the prompt as text")
         if template:  # Ollama's /api/generate without raw, `localllm run`: one user turn of a chat
             head = [{"role": "system", "content": system}] if system else []
-            return self.chat([*head, {"role": "user", "content": text}], options)
+            content: Any = text
+            if images:  # as PNG data: URIs, before the text (where Ollama puts them)
+                content = [*(media.image_part(media.data_uri(im)) for im in images), {"type": "text", "text": text}]
+            return self.chat([*head, {"role": "user", "content": content}], options)
+        if images:
+            raise InvalidInput(f"{self.remote.name} is a remote model: a raw prompt cannot carry images to it",
+                               "send the images in a chat message")
         return Plan(self._request("completions", {"prompt": text}, options))
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),

@@ -35,7 +35,7 @@ from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
-from localllm.runtime.types import Chunk, Image, Notice, PromptProgress, Request, Result
+from localllm.runtime.types import MEDIA_MARKER, Chunk, Image, Notice, PromptProgress, Request, Result
 
 __all__ = ["Engine", "Stream"]
 
@@ -140,7 +140,7 @@ class Engine(ThreadSubmit):
             if t >= 0:
                 run.append(t)
             elif i == 0 or tokens[i - 1] >= 0:
-                out += [self.model.detokenize(run), "<__media__>"]
+                out += [self.model.detokenize(run), MEDIA_MARKER]
                 run = []
         return "".join(out) + self.model.detokenize(run)
 

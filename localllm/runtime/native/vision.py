@@ -22,9 +22,9 @@ import llama_cpp.mtmd_cpp as mt
 
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
 from localllm.runtime.native.llama import Context, Model, NoKVSlot, utf8
+from localllm.runtime.types import MEDIA_MARKER as MARKER
 from localllm.runtime.types import Image
 
-MARKER = "<__media__>"  # mtmd's default media marker: where each image goes in the prompt text
 _log_cb: object = None  # kept referenced: mtmd calls it for the life of the process
 
 
@@ -82,6 +82,9 @@ class Projector:
     @contextmanager
     def _chunks(self, text: str, images: list[Image], add_special: bool, parse_special: bool) -> Iterator[list[int]]:
         """mtmd's chunks for a prompt (pointers valid inside the block)."""
+        if text.count(MARKER) != len(images):
+            raise InvalidInput(f"the prompt has {text.count(MARKER)} media markers ({MARKER}) for {len(images)} images",
+                               f"put one {MARKER} where each image goes")
         bitmaps = []
         chunks = mt.mtmd_input_chunks_init()
         try:
@@ -97,8 +100,6 @@ class Projector:
             arr = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
             with self._lock:
                 rc = mt.mtmd_tokenize(self._p, chunks, ctypes.byref(inp), arr, len(bitmaps))
-            if rc == 1:
-                raise InvalidInput(f"the prompt has {text.count(MARKER)} image markers for {len(images)} images")
             if rc != 0:
                 raise InvalidInput(f"the model's projector could not read the image (mtmd error {rc})",
                                    "send a PNG, JPEG, GIF, BMP or WebP image of a usual size")

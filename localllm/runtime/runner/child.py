@@ -26,7 +26,7 @@ from localllm.runtime.types import Chunk
 # what the host may read from the model once, at start (the rest of Model is forwarded as calls)
 MODEL_FIELDS = ("path", "n_vocab", "bos", "eos", "add_bos", "add_eos", "vocab_type", "n_ctx_train", "n_layer",
                 "n_swa", "media_tokens")
-ENGINE_CALLS = frozenset({"tokenize", "detokenize", "stats", "reset_cache", "embed"})
+ENGINE_CALLS = frozenset({"tokenize", "tokenize_media", "detokenize", "stats", "reset_cache", "embed"})
 MODEL_CALLS = frozenset({"tokenize", "token_to_piece", "detokenize", "token_text", "is_eog", "eog_tokens", "meta",
                          "size_bytes"})
 
@@ -80,6 +80,7 @@ class _Child:
             return False
         model = self.engine.model
         info = {"n_ctx": self.engine.n_ctx, "n_batch": self.engine.n_batch, "slots": len(self.engine.slots),
+                "vision": self.engine.vision,
                 "pid": os.getpid(), "model": {k: getattr(model, k) for k in MODEL_FIELDS}}
         self.send(("ready", info))
         return True

@@ -33,7 +33,7 @@ from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.engine.slots import StreamState
 from localllm.runtime.engine.stream import Stream
 from localllm.runtime.runner import protocol as proto
-from localllm.runtime.types import Chunk, Request
+from localllm.runtime.types import Chunk, Image, Request
 
 LOG_LINES = 30  # llama.cpp log lines kept for the server log when a runner dies
 LOG_HINT = "the server log has llama.cpp's last lines"  # not the lines: they may name files
@@ -159,6 +159,7 @@ class Runner(ThreadSubmit):
         self.n_ctx: int = info["n_ctx"]
         self.n_batch: int = info["n_batch"]
         self.n_slots: int = info["slots"]
+        self.vision: bool = info["vision"]
         self.model = RunnerModel(self, info["model"])
 
     # ---- the Engine's public API -----------------------------------------------------------------
@@ -191,6 +192,11 @@ class Runner(ThreadSubmit):
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.call("engine", "tokenize", text, add_special=add_special, parse_special=parse_special)
+
+    def tokenize_media(self, text: str, images: list[Image], *, add_special: bool = True,
+                       parse_special: bool = True) -> list[int]:
+        return self.call("engine", "tokenize_media", text, images, add_special=add_special,
+                         parse_special=parse_special)
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.call("engine", "detokenize", list(tokens))

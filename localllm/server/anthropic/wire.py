@@ -2,8 +2,8 @@
 shapes the one request builder takes (OpenAI-shaped messages and tools, compose.requests.Options).
 
 - `system`: a string or a list of text blocks; message `content`: a string or blocks: text, tool_use
-  and thinking (assistant), tool_result (user; its content a string or text blocks). Images and
-  documents are refused with a 400 that says so (the models served here read text only); Anthropic's
+  and thinking (assistant), tool_result (user; its content a string or text blocks), image (user; a base64
+  or url source, read where the model has a projector). Documents are refused with a 400 that says so; Anthropic's
   server tools (web search, code execution, ...) too: only custom tools run here.
 - `thinking`: {"type": "enabled", "budget_tokens": N} asks for reasoning within N tokens, "disabled"
   for none; left out, the model's own default holds (a reasoning model reasons).
@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from localllm.compose.media import image_part
 from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput
 from localllm.server.core.wire import Body
 
-UNSUPPORTED_MEDIA = ("image", "document", "file", "search_result")
+UNSUPPORTED_MEDIA = ("document", "file", "search_result")
 
 
 class AnthropicMessage(Body):
@@ -125,20 +126,24 @@ def _assistant(blocks: list[dict[str, Any]], where: str, names: dict[str, str]) 
 
 
 def _user(blocks: list[dict[str, Any]], where: str, names: dict[str, str]) -> list[dict[str, Any]]:
-    """A user turn: its tool results become `tool` messages, its text a user message, in their order."""
+    """A user turn: its tool results become `tool` messages, its text and images a user message, in their order."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
 
     def flush() -> None:
-        if texts:
-            out.append({"role": "user", "content": "\n\n".join(texts)})
-            texts.clear()
+        if any(p["type"] == "image_url" for p in parts):
+            out.append({"role": "user", "content": list(parts)})
+        elif parts:
+            out.append({"role": "user", "content": "\n\n".join(p["text"] for p in parts)})
+        parts.clear()
 
     for j, block in enumerate(blocks):
         at = f"{where}.{j}"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text(block, at))
+            parts.append({"type": "text", "text": _text(block, at)})
+        elif kind == "image":
+            parts.append(image_part(_image_url(block.get("source"), at)))
         elif kind == "tool_result":
             call_id, content = block.get("tool_use_id"), block.get("content", "")
             if not isinstance(call_id, str):
@@ -156,9 +161,23 @@ def _user(blocks: list[dict[str, Any]], where: str, names: dict[str, str]) -> li
             out.append({**tool, "name": names[call_id]} if call_id in names else tool)
         else:
             raise InvalidInput(f"{at}: {kind!r} blocks are not supported in a user message",
-                               "send text or tool_result blocks")
+                               "send text, image or tool_result blocks")
     flush()
     return out
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as the URL compose/media.py reads: base64 data as a data: URI, or the url."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        if not isinstance(media, str) or not media.startswith("image/"):
+            raise InvalidInput(f"{where}.source.media_type must be an image type such as image/png, got {media!r}")
+        return f"data:{media};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise InvalidInput(f"{where}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                       "{\"type\": \"url\", \"url\"}")
 
 
 def chat_messages(body: _MessagesBase) -> list[dict[str, Any]]:

@@ -44,7 +44,7 @@ from localllm.server.core.wire import (
     progress_dict,
     timings_dict,
 )
-from localllm.server.llamacpp.prompts import Prompt, split_prompts
+from localllm.server.llamacpp.prompts import MediaPrompt, Prompt, split_prompts
 
 Builder = RequestBuilder | RemoteBuilder
 Build = Callable[[Builder, Options], Plan]  # one prompt's plan, from the model's builder and the options
@@ -348,6 +348,8 @@ async def completion(body: CompletionBody, request: Request) -> Response:
     prompts = split_prompts(body.prompt)
 
     def build(prompt: Prompt) -> Build:
+        if isinstance(prompt, MediaPrompt):
+            return lambda builder, options: builder.prompt(prompt.text, options, images=prompt.images)
         return lambda builder, options: builder.prompt(prompt, options)
 
     return await _generate(request, body, *(build(p) for p in prompts),

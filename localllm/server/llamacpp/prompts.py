@@ -8,8 +8,8 @@ One prompt is
 - token ids: `[12, 34, 56]`, sent as they are (no BOS added);
 - a mixed list: `[12, " text", 34]`, strings tokenized with special tokens parsed (BOS only when the
   first piece is a string), token ids as given;
-- an object `{"prompt_string": <a string or a mixed list>}`; with `"multimodal_data"` it is refused
-  (localllm serves text-only models).
+- an object `{"prompt_string": <a string or a mixed list>}`; with `"multimodal_data"` (base64 images) the
+  string holds one media marker `<__media__>` per image, where it goes (a model with a projector only).
 
 A batch is a list with no token id at its top level (`["a", "b"]`, `["a", [1, 2]]`): each element is one
 prompt, answered with its `index`. A list that holds a token id anywhere at its top level is one prompt.
@@ -17,12 +17,24 @@ prompt, answered with its `index`. A list that holds a token id anywhere at its 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from localllm.compose import media
 from localllm.errors import InvalidInput
+from localllm.runtime.types import Image
 
-# one prompt for RequestBuilder.prompt: text, token ids, or pieces of both
-Prompt = str | list[int | str]
+
+@dataclass(frozen=True)
+class MediaPrompt:
+    """A prompt string with images, each at a media marker."""
+
+    text: str
+    images: list[Image]
+
+
+# one prompt for RequestBuilder.prompt: text, token ids, or pieces of both, or text with images
+Prompt = str | list[int | str] | MediaPrompt
 MAX_BATCH = 64  # prompts in one request; each takes a slot, the rest wait their turn in the engine's queue
 
 _SHAPES = ("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, "
@@ -59,10 +71,14 @@ def _one(value: Any, where: str) -> Prompt:
             raise InvalidInput(f"{where} is empty", "send the text to complete or token ids")
         raise InvalidInput(_SHAPES)
     if isinstance(value, dict) and "prompt_string" in value:
-        if "multimodal_data" in value:
-            raise InvalidInput(f"{where}.multimodal_data: images and other media are not supported",
-                               "localllm serves text-only models; send the prompt_string alone")
         inner = value["prompt_string"]
+        if "multimodal_data" in value:
+            data = value["multimodal_data"]
+            if not isinstance(inner, str) or not isinstance(data, list):
+                raise InvalidInput(f"{where}: with multimodal_data, prompt_string must be a string and "
+                                   "multimodal_data a list of base64 images")
+            return MediaPrompt(inner, [media.from_base64(d, f"{where}.multimodal_data[{i}]")
+                                       for i, d in enumerate(data)])
         if isinstance(inner, str):
             return _one(inner, f"{where}.prompt_string")
         if isinstance(inner, list) and inner and all(_is_token(e) or isinstance(e, str) for e in inner):

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.compose import media
 from localllm.compose.plan import Plan
 from localllm.compose.pool import parse_keep_alive
 from localllm.compose.requests import Options
@@ -193,7 +194,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             # a FIM prompt that does not fit is refused: a shift would cut its FIM tokens apart (Continue
             # sizes its prefix by /api/show's num_ctx)
             return builder.infill(body.prompt or "", body.suffix, options, policy="error")
-        return builder.prompt(body.prompt or "", options, system=body.system, template=not body.raw, policy="shift")
+        images = [media.from_base64(img, f"images[{i}]") for i, img in enumerate(body.images or [])]
+        if images and body.raw:  # a raw prompt places its images itself, llama.cpp's way
+            return builder.prompt(body.prompt or "", options, policy="shift", images=images)
+        return builder.prompt(body.prompt or "", options, system=body.system, template=not body.raw, policy="shift",
+                              images=images)
 
     return await _run(request, body, build, chat=False)
 
@@ -213,6 +218,8 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 def _message(m: OllamaMessage) -> dict[str, Any]:
     """An Ollama message for the builder (OpenAI's shape: tool calls with ids, results with names)."""
     out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.images:  # before the text, as Ollama places a message's images
+        out["content"] = [*(media.image_part(img) for img in m.images), {"type": "text", "text": m.content or ""}]
     if m.tool_calls:
         out["tool_calls"] = [{"id": f"call_{i}", "type": "function",
                               "function": {"name": (c.get("function") or {}).get("name", ""),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from localllm.compose.media import image_part
 from localllm.compose.reply_plan import EFFORT_BUDGETS, tool_name
 from localllm.compose.requests import PARAM_KEYS, Options
 from localllm.errors import InvalidInput
@@ -74,23 +75,32 @@ def refuse_state(body: ResponsesRequest) -> None:
         raise InvalidInput(f"truncation must be auto or disabled, got {body.truncation!r}")
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
+def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, its text parts joined, or — with input_image parts — chat content parts
+    (text and image_url, as compose/media.py reads images)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise InvalidInput(f"{where}.content must be a string or a list of content parts")
-    out = []
+    out: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            out.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            out.append(part["refusal"])
+            out.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidInput(f"{where}.content[{j}]: input_image needs image_url (file_id is not supported: "
+                                   "localllm keeps no files)", "send the image as a data: URI in image_url")
+            out.append(image_part(url))
         else:
             raise InvalidInput(f"{where}.content[{j}]: content parts of type {kind!r} are not supported",
-                               "localllm's models read text: send input_text parts")
-    return "".join(out)
+                               "send input_text and input_image parts")
+    if any(p["type"] == "image_url" for p in out):
+        return out
+    return "".join(p["text"] for p in out)
 
 
 def _field(item: dict[str, Any], key: str, where: str) -> str:
@@ -128,6 +138,8 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, where + ".output")
+            if not isinstance(text, str):
+                raise InvalidInput(f"{where}.output: images in a function's output are not supported")
             out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": text})
         elif kind == "reasoning":
             continue  # an earlier response's reasoning, sent back: templates drop old reasoning anyway

@@ -1,0 +1,159 @@
+"""Images through the engine: gemma-3-270m (a real text model) with a tiny generated Gemma 3 projector
+(tests/visionmodel.py), on llama.cpp's multimodal library. The references are fresh single-sequence engines."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from visionmodel import write_gemma3_mmproj
+
+from localllm.compose import media
+from localllm.errors import ContextOverflow, InvalidInput, ModelLoadError
+from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.runner.host import Runner
+from localllm.runtime.types import MEDIA_MARKER, GenerationParams, Image, Request
+
+GREEDY = GenerationParams(temperature=0)
+KERNELS = "none"  # as llama-server --no-repack: the differential bench's setting
+TEXT = f"<start_of_turn>user\nDescribe:{MEDIA_MARKER}<end_of_turn>\n<start_of_turn>model\n"
+N_IMAGE = (32 // 4 // 2) ** 2  # the projector's image_size / patch / merge, squared
+
+
+def png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    from PIL import Image as PILImage
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    PILImage.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gemma3_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf", n_embd_text=640)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[Image]:
+    return [media.decode(png(1), "a.png"), media.decode(png(2), "b.png")]
+
+
+@pytest.fixture(scope="module")
+def references(gemma_file: Path, mmproj: Path, images: list[Image]) -> list[list[int]]:
+    """Each image's greedy reply on a fresh one-slot engine."""
+    out = []
+    for im in images:
+        with Engine(gemma_file, n_ctx=1024, slots=1, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as e:
+            out.append(e.generate(Request(e.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im])).tokens)
+    assert out[0] != out[1]  # the test below means something only if the images lead apart
+    return out
+
+
+@pytest.fixture
+def engine(gemma_file: Path, mmproj: Path) -> Iterator[Engine]:
+    with Engine(gemma_file, n_ctx=1024, slots=2, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as e:
+        yield e
+
+
+def test_an_image_is_its_tokens_between_gemmas_markers(engine: Engine, images: list[Image]) -> None:
+    toks = engine.tokenize_media(TEXT, [images[0]])
+    image = [i for i, t in enumerate(toks) if t < 0]
+    assert len(image) == N_IMAGE and image == list(range(image[0], image[0] + N_IMAGE))
+    assert toks[image[0]:image[-1] + 1] == images[0].tokens(N_IMAGE)
+    assert engine.model.token_text(toks[image[0] - 1]) == b"<start_of_image>"
+    assert engine.model.token_text(toks[image[-1] + 1]) == b"<end_of_image>"
+    assert MEDIA_MARKER in engine.detokenize(toks)
+    assert images[0].tokens(N_IMAGE) != images[1].tokens(N_IMAGE)
+
+
+def test_prefix_reuse_never_mixes_two_images(engine: Engine, images: list[Image],
+                                            references: list[list[int]]) -> None:
+    """a, b, a, b on one engine, one after another: each reuses the text before the image at most, and
+    answers as its fresh reference does; then both at once, in two slots."""
+    for k in (0, 1, 0, 1):
+        im = images[k]
+        r = engine.generate(Request(engine.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
+        assert r.tokens == references[k]
+        assert r.usage.cached_tokens < len(TEXT)  # never through a different image
+    # the same image again reuses everything but the last prompt token
+    im = images[1]
+    prompt = engine.tokenize_media(TEXT, [im])
+    r = engine.generate(Request(prompt, GREEDY, max_tokens=12, media=[im]))
+    assert r.usage.cached_tokens == len(prompt) - 1 and r.tokens == references[1]
+    streams = [engine.submit(Request(engine.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
+               for im in images]
+    results = [s.result() for s in streams]
+    for k, res in enumerate(results):
+        assert res.tokens[:4] == references[k][:4]  # batched beside each other: near-ties may part later
+    assert results[0].tokens != results[1].tokens
+
+
+def test_an_image_cut_from_a_cached_prefix_is_evaluated_whole(engine: Engine, images: list[Image],
+                                                             references: list[list[int]]) -> None:
+    """A slot holding [text, image a, text]: a prompt [text, image a] + other text reuses through the image;
+    one that stops inside image a's tokens (a truncated history) never keeps half an image."""
+    im = images[0]
+    engine.generate(Request(engine.tokenize_media(TEXT, [im]), GREEDY, max_tokens=4, media=[im]))
+    other = f"<start_of_turn>user\nDescribe:{MEDIA_MARKER} in one word<end_of_turn>\n<start_of_turn>model\n"
+    prompt = engine.tokenize_media(other, [im])
+    r = engine.generate(Request(prompt, GREEDY, max_tokens=4, media=[im]))
+    start = next(i for i, t in enumerate(prompt) if t < 0)
+    assert r.usage.cached_tokens >= start + N_IMAGE  # through the whole image
+
+
+def test_requests_with_images_are_checked(engine: Engine, images: list[Image], gemma_file: Path) -> None:
+    prompt = engine.tokenize_media(TEXT, [images[0]])
+    with pytest.raises(InvalidInput, match="do not match"):  # the ids of one image, the pixels of another
+        engine.submit(Request(prompt, GREEDY, media=[images[1]]))
+    with pytest.raises(InvalidInput, match="images were sent"):
+        engine.submit(Request(prompt, GREEDY, media=images))
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):  # image ids without the image
+        engine.submit(Request(prompt, GREEDY))
+    with pytest.raises(InvalidInput, match="ends with an image"):
+        engine.submit(Request(engine.tokenize_media(MEDIA_MARKER, [images[0]])[:-1], GREEDY, media=[images[0]]))
+    with pytest.raises(InvalidInput, match="markers"):
+        engine.tokenize_media(TEXT + MEDIA_MARKER, [images[0]])
+    with Engine(gemma_file, n_ctx=256, slots=1, threads=2) as text_only:
+        assert not text_only.vision
+        with pytest.raises(InvalidInput, match="reads no images"):
+            text_only.tokenize_media(TEXT, [images[0]])
+        with pytest.raises(InvalidInput, match="reads no images"):
+            text_only.submit(Request(prompt, GREEDY, media=[images[0]]))
+
+
+def test_too_many_images_for_the_context_are_refused(gemma_file: Path, mmproj: Path, images: list[Image]) -> None:
+    with Engine(gemma_file, n_ctx=256, slots=1, threads=2, mmproj=mmproj) as e:
+        many = images * 8  # 16 images of 18 tokens each (with their markers): over 256
+        prompt = e.tokenize_media("Compare:" + MEDIA_MARKER * len(many) + " ok", many)
+        for policy in ("error", "shift"):  # an image is never cut to fit
+            with pytest.raises(ContextOverflow):
+                e.submit(Request(prompt, GREEDY, media=many, context_policy=policy))
+
+
+def test_a_request_with_images_stops_at_a_full_context_instead_of_shifting(gemma_file: Path, mmproj: Path,
+                                                                          images: list[Image]) -> None:
+    with Engine(gemma_file, n_ctx=256, slots=1, threads=2, mmproj=mmproj) as e:
+        im = images[0]
+        r = e.generate(Request(e.tokenize_media(TEXT, [im]), GenerationParams(temperature=0), max_tokens=400,
+                               media=[im], context_policy="shift", ignore_eos=True))
+        assert r.finish_reason == "length" and len(r.tokens) < 256
+        assert [n.kind for n in r.notices] == ["context_full"] and "images" in r.notices[0].message
+
+
+def test_a_runner_process_reads_images(gemma_file: Path, mmproj: Path, images: list[Image],
+                                       references: list[list[int]]) -> None:
+    with Runner(gemma_file, n_ctx=1024, slots=1, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as r:
+        assert r.vision
+        im = images[1]
+        res = r.generate(Request(r.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
+        assert res.tokens == references[1]
+
+
+def test_a_projector_for_another_width_is_refused(gemma_file: Path, tmp_path: Path) -> None:
+    bad = write_gemma3_mmproj(tmp_path / "wide.gguf", n_embd_text=1024)
+    with pytest.raises(ModelLoadError, match="projector"):
+        Engine(gemma_file, n_ctx=256, slots=1, threads=2, mmproj=bad)
