@@ -188,8 +188,12 @@ def test_token_ids_get_no_bos_and_prompt_object_is_its_prompt_string(http: httpx
     assert mixed_obj["tokens"] == plain["tokens"] and mixed_obj["tokens_evaluated"] == plain["tokens_evaluated"]
 
 
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"  # a black pixel
+
+
 @pytest.mark.parametrize(("prompt", "needle"), [
-    ({"prompt_string": "describe this", "multimodal_data": ["iVBORw0KGgo="]}, "images"),
+    ({"prompt_string": "describe this", "multimodal_data": ["iVBORw0KGgo="]}, "not an image"),
+    ({"prompt_string": "describe <__media__>", "multimodal_data": [PNG_1PX]}, "reads no images"),
     ([], "must not be empty"),
     ([["a", "b"]], "\"prompt\" elements must be a string, a list of tokens"),
     ([1.5], "\"prompt\" elements must be"),
