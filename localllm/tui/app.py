@@ -1,5 +1,9 @@
 """The chat app: a transcript of Markdown turns, a prompt box, a status bar and a sidebar of saved chats.
 
+An image goes with a message by path (`/image PATH`, or pasting the path of an image file): it waits as a
+chip above the prompt, goes as an OpenAI image part with the text, and stays in the user's turn, so later
+turns send it again (as Ollama's CLI does). A reply refused outright puts such a message back in the prompt.
+
 A reasoning model's reasoning streams into a folded block above its answer; only the answer is part of
 the conversation sent back to the model (the history keeps the reasoning apart, in the turn's meta).
 
@@ -27,12 +31,14 @@ from textual.message import Message
 from textual.widgets import Footer, Static
 
 from localllm.runtime.types import Chunk, Notice
-from localllm.tui import commands
+from localllm.tui import attachments, commands
+from localllm.tui.attachments import Attachment, AttachmentError
 from localllm.tui.backend import ChatBackend, ChatSettings, ChatStream, reasoning_of
 from localllm.tui.history import History
 from localllm.tui.screens import HelpScreen, ModelPicker, RenameScreen, SettingsScreen
 from localllm.tui.widgets import (
     AssistantTurn,
+    AttachmentBar,
     PromptInput,
     ReplySegment,
     Sidebar,
@@ -83,6 +89,9 @@ class ChatApp(App[None]):
         self.settings = ChatSettings()
         self.messages: list[dict[str, Any]] = []  # the transcript sent to the model (user/assistant)
         self.conversation_id: int | None = None
+        self.attachments: list[Attachment] = []  # images waiting for the next message
+        # (history id, text, images, turn) of the last message sent with images, to take it back if refused
+        self._sent_with_images: tuple[int, str, list[Attachment], UserTurn] | None = None
         self.generating = False
         self.last_finish: str | None = None  # finish reason of the last reply (tests read it)
         self._turn_base = self._turn_tokens = 0  # the status bar's context count while a reply streams
@@ -106,6 +115,7 @@ class ChatApp(App[None]):
             with Vertical(id="main"):
                 yield VerticalScroll(id="transcript")
                 yield Static("", id="activity")
+                yield AttachmentBar(id="attachments")
                 yield PromptInput(id="prompt")
                 yield StatusBar()
         yield Footer()
@@ -114,6 +124,7 @@ class ChatApp(App[None]):
         self.theme = THEMES[0]
         self.query_one("#sidebar").display = False
         self.query_one("#activity").display = False
+        self.query_one("#attachments").display = False
         self.query_one("#prompt", PromptInput).border_title = "message · enter send · ctrl+j newline · F1 help"
         if self.model is None:
             installed = self.backend.models()
@@ -158,10 +169,26 @@ class ChatApp(App[None]):
         await self.send(event.text)
 
     async def send(self, text: str) -> None:
-        cid = self._ensure_conversation(text)
-        self.messages.append({"role": "user", "content": text})
-        self.history.add_message(cid, "user", text)  # committed before generating: never lost
-        await self.transcript.mount(UserTurn(text))
+        attached = list(self.attachments)
+        urls = []
+        for att in attached:
+            try:
+                urls.append(attachments.data_uri(att))
+            except AttachmentError as exc:
+                # nothing is sent: the text goes back into the prompt, the other images stay attached
+                self.say(f"Error: {exc}; nothing was sent", "error")
+                await self.set_attachments([a for a in attached if a is not att])
+                self._restore_prompt(text)
+                return
+        cid = self._ensure_conversation(text or ", ".join(a.name for a in attached))
+        self.messages.append({"role": "user", "content": attachments.content(text, urls)})
+        # the text in its column (export, titles), the images in meta so a resumed chat sends them again
+        meta = {"images": [{"name": a.name, "size": a.size, "url": u} for a, u in zip(attached, urls)]}
+        mid = self.history.add_message(cid, "user", text, meta if attached else None)  # committed before generating
+        turn = UserTurn(text, [a.chip for a in attached])
+        self._sent_with_images = (mid, text, attached, turn) if attached else None
+        await self.set_attachments([])
+        await self.transcript.mount(turn)
         self._reply = AssistantTurn(model=self.model)
         self._reply_text, self._reasoning_text = [], []
         await self.transcript.mount(self._reply)
@@ -264,6 +291,62 @@ class ChatApp(App[None]):
         if msg.gen == self._gen and self.generating:
             self.say(f"Error: {getattr(msg.error, 'message', None) or msg.error}", "error")
             self.finish("error")
+            if self._sent_with_images is not None:
+                await self._take_back(self._sent_with_images)
+
+    async def _take_back(self, sent: tuple[int, str, list[Attachment], UserTurn]) -> None:
+        """A message with images was refused before any reply (a model that reads no images, most often):
+        kept, its images would go, and be refused, with every later turn. It leaves the conversation and
+        goes back into the prompt with its images, to send to another model (F3) or without them."""
+        mid, text, attached, turn = sent
+        self._sent_with_images = None
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        self.history.delete_message(mid)
+        turn.add_class("unsent")
+        turn.border_subtitle = "not sent"
+        await self.set_attachments([*attached, *self.attachments])
+        self._restore_prompt(text)
+        self.say("The message is back in the prompt with its images: F3 picks another model, "
+                 "/image clear sends it without them.", "warning")
+
+    def _restore_prompt(self, text: str) -> None:
+        prompt = self.query_one("#prompt", PromptInput)
+        if text and not prompt.text:  # never over what the user has typed since
+            prompt.load_text(text)
+            prompt.move_cursor(prompt.document.end)
+
+    # ---- attachments -----------------------------------------------------------------------------
+    async def set_attachments(self, atts: list[Attachment]) -> None:
+        self.attachments = atts
+        await self.query_one("#attachments", AttachmentBar).show([a.chip for a in atts])
+        self.query_one("#prompt", PromptInput).has_attachments = bool(atts)
+
+    async def attach(self, path: Path | str) -> None:
+        """Attach an image to the next message; a file that is missing, too big or no image is an error line."""
+        try:
+            att = attachments.attach(path)
+        except AttachmentError as exc:
+            self.say(f"Error: {exc}", "error")
+            return
+        await self.set_attachments([*self.attachments, att])
+
+    @on(PromptInput.ImagePasted)
+    async def image_pasted(self, event: PromptInput.ImagePasted) -> None:
+        await self.attach(event.path)
+
+    async def image_command(self, arg: str) -> None:
+        """`/image PATH` attaches; `/image` alone lists what is attached; `/image clear` drops it all."""
+        if arg.lower() == "clear":
+            n = len(self.attachments)
+            await self.set_attachments([])
+            self.say(f"Dropped {n} image{'' if n == 1 else 's'}." if n else "No image was attached.")
+        elif arg:
+            await self.attach(arg)
+        elif self.attachments:
+            self.say("Attached to the next message: " + " ".join(a.chip for a in self.attachments))
+        else:
+            self.say("No image attached: /image PATH attaches one (or paste the path of an image file).")
 
     def finish(self, reason: str, meta: dict[str, Any] | None = None) -> None:
         """End the current reply and commit it (even a partial one); a second call is a no-op."""
@@ -342,9 +425,12 @@ class ChatApp(App[None]):
             self.model = conv.model
         turns = []
         for m in self.history.messages(cid):
-            self.messages.append({"role": m["role"], "content": m["content"]})
             meta = m["meta"]
-            turns.append(UserTurn(m["content"]) if m["role"] == "user"
+            images = (meta.get("images") or []) if m["role"] == "user" else []
+            self.messages.append({"role": m["role"], "content": attachments.content(m["content"],
+                                                                                    [i["url"] for i in images])})
+            turns.append(UserTurn(m["content"], [attachments.chip_label(i["name"], i["size"]) for i in images])
+                         if m["role"] == "user"
                          else AssistantTurn(m["content"], meta.get("model"), meta.get("reasoning") or ""))
         await self.transcript.mount_all(turns)
         self.transcript.scroll_end(animate=False)
@@ -407,6 +493,8 @@ class ChatApp(App[None]):
             elif name == "think":
                 self.say(commands.apply_think(self.settings, arg))
                 self._settings_changed()
+            elif name == "image":
+                await self.image_command(arg)
             elif name == "show":
                 self.say(commands.show(self.settings, self.model))
             elif name in ("clear", "new"):

@@ -13,6 +13,8 @@ HELP = """\
 | `/set system TEXT` | the system prompt (`/set system` alone clears it) |
 | `/think on` | reasoning models: reason first (`off`: answer at once, `default`: as the model does) |
 | `/set reasoning_budget 256` | reasoning models: close the reasoning after this many tokens (`none`: no limit) |
+| `/image PATH` | attach an image to the next message (or paste the path of an image file); several may go at once |
+| `/image` · `/image clear` | list the attached images · drop them |
 | `/show` | the current settings |
 | `/clear` | start a new conversation (the old one stays in the sidebar) |
 | `/load MODEL` | switch model, keeping the conversation |

@@ -124,6 +124,9 @@ class History:
                                (cid,)).fetchall()
         return [{"role": r[0], "content": r[1], "meta": json.loads(r[2] or "{}")} for r in rows]
 
+    def delete_message(self, mid: int) -> None:
+        self.db.execute("DELETE FROM messages WHERE id = ?", (mid,))
+
     def clear_messages(self, cid: int) -> None:
         self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
 
@@ -138,5 +141,7 @@ class History:
         if system:
             lines += ["## System", "", system, ""]
         for m in self.messages(cid):
-            lines += [f"## {'You' if m['role'] == 'user' else 'Assistant'}", "", m["content"], ""]
+            # an attached image by name only: its bytes stay in the database
+            images = [f"[image: {i.get('name', '?')}]" for i in m["meta"].get("images") or []]
+            lines += [f"## {'You' if m['role'] == 'user' else 'Assistant'}", "", *images, m["content"], ""]
         return "\n".join(lines)

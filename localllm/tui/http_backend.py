@@ -28,6 +28,7 @@ from localllm.errors import (
     PullError,
 )
 from localllm.runtime.types import Chunk, Notice, Timings, Usage
+from localllm.tui.attachments import images_of, text_of
 from localllm.tui.backend import (
     CatalogRow,
     ChatSettings,
@@ -79,6 +80,15 @@ def timings_from(line: dict[str, Any]) -> tuple[Usage, Timings]:
                       cached_tokens=cached, n_decoded=n_eval, cache_tier=str(line.get("prompt_cache_tier") or ""),
                       draft_n=int(line.get("draft_n") or 0), draft_accepted=int(line.get("draft_n_accepted") or 0))
     return usage, timings
+
+
+def ollama_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as /api/chat takes it: image parts become the message's `images` (bare base64; the
+    server places them before the text, where the app puts them) and the text parts its `content`."""
+    if not isinstance(m.get("content"), list):
+        return m
+    images = [url.partition(",")[2] if url.startswith("data:") else url for url in images_of(m["content"])]
+    return {**m, "content": text_of(m["content"]), **({"images": images} if images else {})}
 
 
 @dataclass
@@ -248,8 +258,8 @@ class HttpBackend:
 
     def stream(self, model: str, messages: Sequence[dict[str, Any]], settings: ChatSettings) -> HttpStream:
         """Send the chat and return once the server has accepted it (4xx errors raise here)."""
-        body: dict[str, Any] = {"model": model, "messages": build_messages(messages, settings), "stream": True,
-                                "options": self.options(settings)}
+        wire = [ollama_message(m) for m in build_messages(messages, settings)]
+        body: dict[str, Any] = {"model": model, "messages": wire, "stream": True, "options": self.options(settings)}
         if settings.think is not None:  # Ollama's own field (not an option); unset: the model's default
             body["think"] = settings.think
         request = self._client.build_request("POST", "/api/chat", json=body, timeout=STREAM_TIMEOUT)

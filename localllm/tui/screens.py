@@ -23,6 +23,7 @@ KEYS = """\
 | `enter` | send the prompt |
 | `ctrl+j` / `shift+enter` | new line in the prompt |
 | `up` / `down` (empty prompt), `ctrl+up` / `ctrl+down` | recall earlier prompts |
+| paste an image's path | attach the image to the next message (a file dragged onto the terminal pastes its path) |
 | `escape` | stop the reply now (what was written is kept) |
 | a click, or `tab` to it and `enter` | unfold or fold a reply's reasoning |
 | `f1` | this help |

@@ -2,26 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Collapsible, Label, ListItem, ListView, Markdown, Static, TextArea
 
 from localllm.runtime.types import Timings, Usage
+from localllm.tui.attachments import pasted_image
 from localllm.tui.history import Conversation
 
 
-class UserTurn(Markdown):
-    """One user message (styled apart from replies in chat.tcss)."""
+class Chip(Label):
+    """An attached image, as a small label ("[image: cat.png 34 KB]")."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(text, classes="turn user")
+        super().__init__(text, classes="chip", markup=False)
+
+
+class UserTurn(Vertical):
+    """One user message (styled apart from replies in chat.tcss): a chip per attached image above the text."""
+
+    def __init__(self, text: str, chips: Sequence[str] = ()) -> None:
+        super().__init__(classes="turn user")
         self.border_title = "you"
+        self.source = text
+        self.chips = list(chips)
+
+    def compose(self) -> ComposeResult:
+        if self.chips:
+            with Horizontal(classes="chips"):
+                for chip in self.chips:
+                    yield Chip(chip)
+        if self.source or not self.chips:
+            yield Markdown(self.source, classes="body")
+
+
+class AttachmentBar(Horizontal):
+    """The images waiting to go with the next message, just above the prompt (hidden when there are none)."""
+
+    async def show(self, chips: Sequence[str]) -> None:
+        await self.remove_children()
+        if chips:
+            await self.mount_all([*(Chip(c) for c in chips), Label("/image clear drops them", classes="hint")])
+        self.display = bool(chips)
 
 
 class ReplySegment(Static):
@@ -158,8 +188,15 @@ class PromptInput(TextArea):
     class Submitted(Message):
         text: str
 
+    @dataclass
+    class ImagePasted(Message):
+        """A paste that was the path of an image file: the app attaches it instead of typing the path."""
+
+        path: Path
+
     def __init__(self, **kwargs: object) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)  # type: ignore[arg-type]
+        self.has_attachments = False  # set by the app: enter then sends even with no text (the images alone)
         self.sent: list[str] = []
         self._pos: int | None = None  # index into history while recalling, None when editing fresh text
         self._draft = ""
@@ -169,8 +206,9 @@ class PromptInput(TextArea):
             event.prevent_default()
             event.stop()
             text = self.text
-            if text.strip():
-                self.remember(text)
+            if text.strip() or self.has_attachments:
+                if text.strip():
+                    self.remember(text)
                 self.clear()
                 self.post_message(self.Submitted(text))
             return
@@ -192,6 +230,16 @@ class PromptInput(TextArea):
             self.action_recall(1)
             return
         await super()._on_key(event)
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        # a terminal pastes a file dragged onto it as its path: an image's path attaches the image
+        path = pasted_image(event.text)
+        if path is None:
+            await super()._on_paste(event)
+            return
+        event.prevent_default()
+        event.stop()
+        self.post_message(self.ImagePasted(path))
 
     def remember(self, text: str) -> None:
         if not self.sent or self.sent[-1] != text:
