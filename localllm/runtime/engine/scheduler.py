@@ -161,6 +161,8 @@ class Engine(ThreadSubmit):
     def _n_image_tokens(self, image: Image) -> int:
         n = self._image_tokens.get(image.digest)
         if n is None:
+            if len(self._image_tokens) >= 4096:  # a bound, not a cache policy: recounting costs a resize
+                self._image_tokens.clear()
             n = self._image_tokens[image.digest] = self.projector.n_tokens(image)
         return n
 
