@@ -35,7 +35,7 @@ from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
-from localllm.runtime.types import MEDIA_MARKER, Chunk, Image, Notice, PromptProgress, Request, Result
+from localllm.runtime.types import Chunk, Image, Notice, PromptProgress, Request, Result
 
 __all__ = ["Engine", "Stream"]
 
@@ -132,17 +132,7 @@ class Engine(ThreadSubmit):
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: list[int]) -> str:
-        """Text of token ids; an image's ids (Image.tokens, negative) read as the media marker, once per image."""
-        if all(t >= 0 for t in tokens):
-            return self.model.detokenize(tokens)
-        out, run = [], []
-        for i, t in enumerate(tokens):
-            if t >= 0:
-                run.append(t)
-            elif i == 0 or tokens[i - 1] >= 0:
-                out += [self.model.detokenize(run), MEDIA_MARKER]
-                run = []
-        return "".join(out) + self.model.detokenize(run)
+        return self.model.detokenize(tokens)
 
     @property
     def vision(self) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
 from localllm.runtime.native import cpu_guard
 from localllm.runtime.native import rpc as rpc_workers
+from localllm.runtime.types import MEDIA_MARKER
 
 # Placeholders for image/audio/video input in multimodal vocabularies (Gemma 3, Qwen2-VL, Llava, …). This
 # runtime feeds text only, so they can never be right output: a base gemma-3-270m asked "Write a haiku
@@ -227,10 +228,13 @@ class Model:
         return tokens
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
-        """Raw bytes of one token (may be part of a UTF-8 sequence); cached per token."""
+        """Raw bytes of one token (may be part of a UTF-8 sequence); cached per token. An id outside the
+        vocabulary is refused here: llama.cpp would abort the process on it."""
         key = (token, special)
         piece = self._pieces.get(key)
         if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise InvalidInput(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
             buf = ctypes.create_string_buffer(64)
             n = lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
             if n < 0:
@@ -241,7 +245,15 @@ class Model:
         return piece
 
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
-        return b"".join(self.token_to_piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+        """Text of token ids; an image's ids in a prompt (Image.tokens, negative) read as the media marker,
+        once per image."""
+        out = []
+        for i, t in enumerate(tokens):
+            if t >= 0:
+                out.append(self.token_to_piece(t, special))
+            elif i == 0 or tokens[i - 1] >= 0:
+                out.append(MEDIA_MARKER.encode())
+        return b"".join(out).decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> bytes:
         """The vocabulary's stored text of a token (for comparing vocabularies, not for output)."""
