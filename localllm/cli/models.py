@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -51,13 +52,21 @@ class RichPullProgress:
 @click.option("--quant", "-q", help="Quantization, e.g. Q5_K_M (default: the catalog's, Q4_K_M). One that is "
               "not published is made locally from the F16/BF16 original (which is not kept).")
 @click.option("--name", help="Store the model under this name:tag (imports and hf.co refs).")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A vision projector (mmproj .gguf file) to install with the model; it replaces the one the "
+              "catalog or the repo would bring.")
+@click.option("--no-mmproj", is_flag=True, help="Install no vision projector (a vision model then reads text "
+              "only); one the name had is detached.")
 @click.option("--json", "as_json", is_flag=True, help="Print the resulting manifest as JSON.")
-def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None:
+def pull(model: str, quant: str | None, name: str | None, mmproj: Path | None, no_mmproj: bool,
+         as_json: bool) -> None:
     """Download MODEL into the local store.
 
     MODEL is a catalog name (gemma3:270m, qwen2.5-coder:1.5b), hf.co/<owner>/<repo>[:QUANT],
     or the path of a local .gguf file to import. Interrupted downloads resume; a model already
-    present is not downloaded again.
+    present is not downloaded again. A vision model's projector (its mmproj file) comes with it:
+    the catalog names it, an hf.co repo's own is found as llama-server -hf finds it, and --mmproj
+    gives one for an imported file.
 
     \b
     Examples:
@@ -66,18 +75,26 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
       localllm pull hf.co/owner/Some-F16-GGUF --quant Q5_K_M   (quantized here)
       localllm pull hf.co/bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M
       localllm pull ./my-model.gguf --name mine:latest
+      localllm pull ./gemma-3-4b-it-Q4_K_M.gguf --mmproj ./mmproj-model-f16.gguf
     """
     import dataclasses
 
     from localllm.models.catalog import Catalog
     from localllm.models.names import normalize
 
+    if mmproj is not None and no_mmproj:
+        raise click.UsageError("--mmproj and --no-mmproj exclude each other")
     source = Catalog.load().resolve(model, quant=quant)
     from localllm.models import (
         pull as pull_mod,  # after resolving: a bad name fails without loading the hub client
     )
     if name:
         source = dataclasses.replace(source, name=normalize(name))
+    if mmproj is not None:
+        source = dataclasses.replace(source, mmproj=None, mmproj_path=mmproj.expanduser().resolve(),
+                                     find_mmproj=False)
+    elif no_mmproj:
+        source = dataclasses.replace(source, mmproj=None, find_mmproj=False, no_mmproj=True)
     started = time.monotonic()
     with RichPullProgress() as progress:
         result = pull_mod.pull(source, progress=progress)
@@ -88,12 +105,19 @@ def pull(model: str, quant: str | None, name: str | None, as_json: bool) -> None
         return
     if result.already_present:
         click.echo(f"{man.name} is already up to date ({human_bytes(man.size)}).")
-    elif man.source.get("quantized"):
+        if man.projector:
+            click.echo(f"  with the vision projector {man.projector.get('filename')} "
+                       f"({human_bytes(man.projector.get('size', 0))})")
+        return
+    if man.source.get("quantized"):
         click.echo(f"pulled {man.name}: {man.quant}, {human_bytes(man.size)}, quantized locally from "
                    f"{man.source.get('filename')} in {time.monotonic() - started:.1f}s ({man.digest[:19]})")
     else:
         click.echo(f"pulled {man.name}: {human_bytes(man.size)} in {time.monotonic() - started:.1f}s "
                    f"({man.digest[:19]})")
+    if man.projector:
+        click.echo(f"  with the vision projector {man.projector.get('filename')} "
+                   f"({human_bytes(man.projector.get('size', 0))}, {man.projector['digest'][:19]})")
 
 
 @click.command("list")
@@ -112,6 +136,7 @@ def list_(show_catalog: bool, as_json: bool) -> None:
             src = e.get("repo") or (f"pypi:{e['pypi']}" if "pypi" in e else "")
             rows.append({"name": key, "default_quant": e.get("default_quant"), "context_length": e.get("context_length"),
                          "source": src, "draft": e.get("draft"), "fim": bool(e.get("fim")),
+                         "vision": bool(e.get("mmproj")),
                          "description": e.get("description", "")})
         if as_json:
             print_json(rows)
@@ -154,14 +179,16 @@ def _ago(ts: float) -> str:
 @click.option("--slots", type=Setting("slots"), help="With --fit: parallel sequence slots.")
 def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int | None,
          kv_type: str | None, slots: int | None) -> None:
-    """Show what a model is: architecture, parameters, quant, context, layers, heads, size.
+    """Show what a model is: architecture, parameters, quant, context, layers, heads, size, and its vision
+    projector when it was pulled with one.
 
     MODEL is an installed name or a .gguf path.
     """
-    from localllm.models.gguf_meta import model_info
+    from localllm.models.gguf_meta import model_info, projector_info
 
-    path, man = _model_file(model)
+    path, man, proj_path = _model_file(model)
     info = model_info(path)
+    proj = projector_info(proj_path) if proj_path is not None else None
     from localllm.compose.call_syntax import describe
 
     data: dict[str, Any] = {"name": man.name if man else str(path), **info.as_dict()}
@@ -169,7 +196,11 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
         data["reply_syntax"] = describe(info.chat_template)
     if man:
         data.update(digest=man.digest, source=man.source, lineage=man.lineage)
-    plan = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots) if fit else None
+    data["vision"] = proj is not None and proj.has_vision
+    if proj is not None and man is not None and man.projector:
+        data["projector"] = {**man.projector, **proj.as_dict()}
+    plan = _fit_plan(info, ctx=ctx, gpu_layers=gpu_layers, kv_type=kv_type, slots=slots,
+                     projector=proj) if fit else None
     if plan is not None:
         data["fit"] = plan.as_dict()
     if as_json:
@@ -185,6 +216,7 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
         ("reply syntax", data.get("reply_syntax", "-")),
         ("fim tokens", ", ".join(info.fim_tokens) if info.fim_tokens else "no"),
         ("size on disk", human_bytes(info.size_bytes)),
+        ("vision", "no" if proj is None else _projector_line(proj)),
     ]
     if man:
         rows.append(("digest", man.digest))
@@ -195,6 +227,15 @@ def show(model: str, as_json: bool, fit: bool, ctx: int | None, gpu_layers: int 
         table(["fit plan", ""], [list(row) for row in fit_rows(plan)])
 
 
+def _projector_line(proj: Any) -> str:
+    """`show`'s vision row: the projector's kind, size and the image size it reads."""
+    what = f"yes: {proj.projector_type or 'projector'}" if proj.has_vision else "no (an audio projector)"
+    parts = [what, human_bytes(proj.size_bytes)]
+    if proj.image_size:
+        parts.append(f"images at {proj.image_size} px")
+    return ", ".join(parts)
+
+
 def _fit_plan(info: Any, **overrides: Any) -> Any:
     from localllm.machine.fit import plan_fit
     from localllm.machine.probe import detect_devices, ram
@@ -202,14 +243,13 @@ def _fit_plan(info: Any, **overrides: Any) -> Any:
     _total, avail = ram()
     plan = plan_fit(info, ram_available=avail, devices=detect_devices(),
                              want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
-                             kv_type=overrides["kv_type"], **({"slots": overrides["slots"]} if overrides["slots"] else {}))
+                             kv_type=overrides["kv_type"], projector=overrides["projector"],
+                             **({"slots": overrides["slots"]} if overrides["slots"] else {}))
     return plan
 
 
-def _model_file(model: str) -> tuple[Any, Any]:
-    """(path, manifest or None) for an installed name or a .gguf path."""
-    from pathlib import Path
-
+def _model_file(model: str) -> tuple[Any, Any, Any]:
+    """(path, manifest or None, the projector's path or None) for an installed name or a .gguf path."""
     from localllm.errors import ModelNotFound
     from localllm.models.store import Store
 
@@ -217,10 +257,10 @@ def _model_file(model: str) -> tuple[Any, Any]:
         path = Path(model).expanduser()
         if not path.is_file():
             raise ModelNotFound(f"no such file: {model}")
-        return path, None
+        return path, None, None
     store = Store()
     man = store.require(model)
-    return store.blob_path(man.digest), man
+    return store.blob_path(man.digest), man, store.projector_path(man.name)
 
 
 @click.command()

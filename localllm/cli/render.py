@@ -52,6 +52,12 @@ def fit_rows(plan: Any) -> list[tuple[str, str]]:
         ("  on CPU", gib(plan.weights_cpu_bytes)),
         ("KV cache", f"{gib(plan.kv_bytes)} ({plan.n_ctx} cells, {plan.kv_type})"),
         ("compute reserve", gib(plan.compute_bytes)),
+    ]
+    if plan.projector_bytes:
+        where = f"on GPU ({plan.gpu.name})" if plan.projector_on_gpu and plan.gpu else "on CPU"
+        scratch = gib(plan.projector_compute_bytes)
+        out.append(("vision projector", f"{gib(plan.projector_bytes)} weights + {scratch} for one image, {where}"))
+    out += [
         ("total", gib(plan.total_bytes)),
         ("RAM needed / available", f"{gib(plan.ram_needed)} / {gib(plan.ram_available)}"),
     ]

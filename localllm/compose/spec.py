@@ -28,18 +28,23 @@ MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 
 def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
                   gpu_layers: int | None = None, kv_type: str | None = None,
-                  cpu_kernels: str | None = None, rpc: str | None = None) -> tuple[dict[str, Any], Any]:
+                  cpu_kernels: str | None = None, rpc: str | None = None,
+                  projector: Any = None) -> tuple[dict[str, Any], Any]:
     """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
     every value the caller gives overrides the plan's choice. cpu_kernels: the setting, passed through
     (the engine resolves "auto" with machine/kernels.py where the model loads). rpc: llama.cpp RPC
-    workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory."""
+    workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory.
+    projector: the model's vision projector (models.gguf_meta.ProjectorInfo): the plan counts it, and the
+    engine gets it as `mmproj`."""
     from localllm.machine.fit import plan_fit
 
     devices, extra = None, {}
     if rpc:
         devices, extra = rpc_devices(rpc)
+    if projector is not None:
+        extra["mmproj"] = str(projector.path)
     plan = plan_fit(info, **({"slots": slots} if slots else {}), want_ctx=ctx, gpu_layers=gpu_layers,
-                    kv_type=kv_type, threads=threads, devices=devices)
+                    kv_type=kv_type, threads=threads, devices=devices, projector=projector)
     return {**plan.engine_kwargs(), **({"cpu_kernels": cpu_kernels} if cpu_kernels else {}), **extra}, plan
 
 
@@ -109,6 +114,7 @@ class Composer:
             remotes = Remotes()
         self.remotes = remotes  # models.remotes.Remotes: `localllm remote add` entries
         self._info = info_cache if info_cache is not None else {}
+        self._projectors: dict[str, Any] = {}  # projector digest → models.gguf_meta.ProjectorInfo
         self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._formats: dict[str, ChatFormat] = {}
         self._lock = threading.Lock()
@@ -121,6 +127,18 @@ class Composer:
         if man.digest not in self._info:
             self._info[man.digest] = model_info(self.store.blob_path(man.digest))
         return man, self._info[man.digest]
+
+    def projector(self, man: Any) -> Any:
+        """The vision projector (models.gguf_meta.ProjectorInfo) a manifest names, None for a text-only model;
+        its header is read once per file."""
+        digest = man.projector_digest
+        if not digest:
+            return None
+        from localllm.models.gguf_meta import projector_info
+
+        if digest not in self._projectors:
+            self._projectors[digest] = projector_info(self.store.blob_path(digest))
+        return self._projectors[digest]
 
     def remote(self, name: str) -> Any:
         """The remote model (models.remotes.Remote) `name` stands for, or None. An installed model of the
@@ -156,12 +174,13 @@ class Composer:
         ngl = _int_option(options, "num_gpu", lo=-1, hi=100_000)
         ngl = ngl if ngl is not None and ngl >= 0 else s.gpu_layers
         n_batch = _int_option(options, "num_batch", hi=1 << 16)
-        key = (man.digest, want_ctx, threads, ngl, n_batch)
+        projector = self.projector(man)
+        key = (man.digest, man.projector_digest, want_ctx, threads, ngl, n_batch)
         with self._lock:
             kwargs = self._plans.get(key)
             if kwargs is None:
                 # planned once per option set: free RAM drifts, and a changed plan would reload the model
-                kwargs = self._plan(info, want_ctx, threads, ngl, n_batch, man.digest)
+                kwargs = self._plan(info, want_ctx, threads, ngl, n_batch, man.digest, projector)
                 self._plans[key] = kwargs
         size, vram = kwargs.get("_size", 0), kwargs.get("_vram", 0)
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
@@ -201,11 +220,13 @@ class Composer:
         return spec, dman.size if dman else 0
 
     def _plan(self, info: Any, want_ctx: int | None, threads: int | None, ngl: int | None,
-              n_batch: int | None, digest: str = "") -> dict[str, Any]:
+              n_batch: int | None, digest: str = "", projector: Any = None) -> dict[str, Any]:
         s = self.settings
+        # with a projector: kw["mmproj"] is its blob, and the plan's total counts its weights and one image
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
-                                 kv_type=s.kv_type, cpu_kernels=s.cpu_kernels, rpc=s.rpc)
-        kw.update(_size=plan.total_bytes, _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes)
+                                 kv_type=s.kv_type, cpu_kernels=s.cpu_kernels, rpc=s.rpc, projector=projector)
+        kw.update(_size=plan.total_bytes,
+                  _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes + plan.projector_gpu_bytes)
         if n_batch:
             kw["n_batch"] = n_batch
         if s.ctx_per_slot:

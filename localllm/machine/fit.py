@@ -18,7 +18,7 @@ from typing import Any
 
 from localllm.errors import InvalidInput
 from localllm.machine.probe import Device, MiB, detect_devices, physical_cores, ram
-from localllm.models.gguf_meta import ModelInfo, read_gguf
+from localllm.models.gguf_meta import ModelInfo, ProjectorInfo, read_gguf
 
 CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt Python-side buffers
 # Default context when none is asked for. Trained contexts run to 128k+, and a KV cache that size costs
@@ -109,6 +109,25 @@ def compute_reserve(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH, slots: int 
     return logits + activations + outputs + 16 * MiB
 
 
+# Where the header does not say (an audio-only projector, dynamic-resolution encoders without an image size),
+# one image's encoder pass is budgeted at this much.
+PROJECTOR_DEFAULT_RESERVE = 256 * MiB
+
+
+def projector_reserve(proj: ProjectorInfo) -> int:
+    """Scratch memory mtmd's encoder needs for one image at the projector's image size: the attention scores of
+    one layer (patches² × heads, f32: the engine loads projectors without warmup, so mtmd runs the encoder
+    without flash attention) plus one layer's activations (patches × (ffn + 3 × width), f32). For Gemma 3's
+    (896 px, 14 px patches, 1152 wide, 16 heads, ffn 4304) that is 1161 MiB; llama.cpp reports 1132 MiB of
+    clip compute buffer for it with flash attention off."""
+    n = proj.n_patches
+    if not n or not proj.embedding_length:
+        return PROJECTOR_DEFAULT_RESERVE
+    heads = proj.head_count or 1
+    ffn = proj.feed_forward_length or 4 * proj.embedding_length
+    return n * n * heads * 4 + n * (ffn + 3 * proj.embedding_length) * 4 + 16 * MiB
+
+
 def _pad(n: int, step: int = CTX_STEP) -> int:  # round up to a multiple of step
     return -(-n // step) * step
 
@@ -167,15 +186,26 @@ class FitPlan:
     fits: bool
     choices: dict[str, Choice] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # a vision projector beside the model: its weights and one image's encoder scratch, on the GPU when any
+    # layer is (llama.cpp's mtmd follows the model there), else in RAM; 0 for a text-only model
+    projector_bytes: int = 0
+    projector_compute_bytes: int = 0
+    projector_on_gpu: bool = False
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.projector_bytes + \
+            self.projector_compute_bytes
+
+    @property
+    def projector_gpu_bytes(self) -> int:
+        return self.projector_bytes + self.projector_compute_bytes if self.projector_on_gpu else 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly: every field (Device and Choice as dicts) plus total_bytes."""
         d = dataclasses.asdict(self)
         d["total_bytes"] = self.total_bytes
+        d["projector_gpu_bytes"] = self.projector_gpu_bytes
         return d
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -201,15 +231,17 @@ class _Eval:
     gpu_needed: int
     ram_needed: int
     fits: bool
+    projector_on_gpu: bool = False
 
 
 class _Planner:
     """Memory arithmetic for one model on one machine; `evaluate` is cheap, so searches just call it."""
 
     def __init__(self, info: ModelInfo, ram_available: int, gpu: Device | None, slots: int, swa_full: bool,
-                 n_ubatch: int, compute: int) -> None:
+                 n_ubatch: int, compute: int, projector: int = 0) -> None:
         self.info, self.ram_available, self.gpu = info, ram_available, gpu
         self.slots, self.swa_full, self.n_ubatch, self.compute = slots, swa_full, n_ubatch, compute
+        self.projector = projector  # the projector's weights + one image's scratch, bytes
         self.layer_bytes = list(info.layer_bytes) or [0] * info.layers
         self.n_layers = len(self.layer_bytes)
         self.input_b, self.output_b, self.tied_b = _split_other(info)
@@ -234,12 +266,14 @@ class _Planner:
         # The logits are computed where the output head lives; layers on the GPU need their own scratch.
         c_gpu = (self.compute if full else self.compute - self.logits) if on_gpu else 0
         c_cpu = 16 * MiB if full else self.compute
-        gpu_needed = w_gpu + kv_gpu + c_gpu
-        ram_needed = w_cpu + kv_cpu + c_cpu + RAM_HEADROOM
+        # the engine hands the projector to the GPU when any layer goes there (use_gpu = n_gpu_layers != 0)
+        p_gpu = bool(on_gpu) and self.projector > 0
+        gpu_needed = w_gpu + kv_gpu + c_gpu + (self.projector if p_gpu else 0)
+        ram_needed = w_cpu + kv_cpu + c_cpu + RAM_HEADROOM + (0 if p_gpu else self.projector)
         if self.gpu is not None and self.gpu.unified:
             ram_needed += gpu_needed
         fits = ram_needed <= self.ram_available and gpu_needed <= self.gpu_budget
-        return _Eval(ngl, w_gpu, w_cpu, kv_gpu, kv_cpu, c_gpu, c_cpu, gpu_needed, ram_needed, fits)
+        return _Eval(ngl, w_gpu, w_cpu, kv_gpu, kv_cpu, c_gpu, c_cpu, gpu_needed, ram_needed, fits, p_gpu)
 
     def _auto_layers(self, kv: list[int]) -> int:
         if self.gpu is None:
@@ -271,12 +305,14 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
              slots: int | None = None, want_ctx: int | None = None, gpu_layers: int | None = None,
              kv_type: str | None = None, threads: int | None = None, reserve_bytes: int | None = None,
              flash_attn: bool | None = None, swa_full: bool = True,
-             n_ubatch: int = DEFAULT_UBATCH) -> FitPlan:
+             n_ubatch: int = DEFAULT_UBATCH, projector: ProjectorInfo | None = None) -> FitPlan:
     """Choose n_gpu_layers, n_ctx, KV type, flash attention and threads for `info` on this machine.
 
     Any argument given is an override and is kept as given (the plan warns when it cannot fit);
     the rest are chosen. `ram_available`/`devices` default to what this machine reports now;
     `reserve_bytes` replaces the estimated compute scratch. n_ctx is the unified cache for all slots.
+    `projector`: the model's vision projector, whose weights and one image's scratch (projector_reserve) are
+    counted where they will live: on the GPU when any layer is offloaded, else in RAM.
     """
     slots_given = slots is not None
     slots = DEFAULT_SLOTS if slots is None else slots
@@ -302,7 +338,9 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     # not planned here; the plan stays conservative with one.)
     gpu = max(gpus, key=lambda d: d.free_bytes) if gpus else None
     compute = reserve_bytes if reserve_bytes is not None else compute_reserve(info, n_ubatch, slots)
-    pl = _Planner(info, ram_available, gpu, slots, swa_full, n_ubatch, compute)
+    p_weights = projector.weights_bytes if projector is not None else 0
+    p_compute = projector_reserve(projector) if projector is not None else 0
+    pl = _Planner(info, ram_available, gpu, slots, swa_full, n_ubatch, compute, p_weights + p_compute)
     choices: dict[str, Choice] = {}
     warnings: list[str] = []
 
@@ -381,6 +419,7 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         weights_cpu_bytes=ev.weights_cpu, kv_bytes=ev.kv_gpu + ev.kv_cpu, kv_gpu_bytes=ev.kv_gpu,
         compute_bytes=ev.compute_gpu + ev.compute_cpu, ram_needed=ev.ram_needed, ram_available=ram_available,
         gpu_needed=ev.gpu_needed, gpu=gpu, fits=ev.fits, choices=choices, warnings=warnings,
+        projector_bytes=p_weights, projector_compute_bytes=p_compute, projector_on_gpu=ev.projector_on_gpu,
     )
 
 

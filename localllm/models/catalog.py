@@ -2,11 +2,13 @@
 
 The shipped `models.toml` (inside the wheel; beside the package in a source checkout) is merged with
 the user's `models.toml` in the config folder, entry by entry. Besides catalog names, `resolve`
-accepts `hf.co/<owner>/<repo>[:QUANT]` and a path to a local `.gguf` file (an import).
+accepts `hf.co/<owner>/<repo>[:QUANT]` and a path to a local `.gguf` file (an import). A vision
+model's entry names its projector: `mmproj = "<file>.gguf"` in its `repo` (or in `mmproj_repo`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import sys
@@ -47,6 +49,19 @@ class Source:
     # (`repo` + `filename`, or found by listing `repo` when `filename` is None) and quantize it
     # locally; "if-missing" = hf.co refs with an explicit quant: do that only when the repo lacks it
     local_quant: str = "no"
+    # the vision projector (mmproj GGUF) installed beside the model: `mmproj`, a file in `mmproj_repo` on the
+    # hub (a catalog entry's `mmproj`); `mmproj_path`, a local file (`pull … --mmproj PROJ.gguf`);
+    # `find_mmproj`: hf.co refs take the repo's own (llama-server's -hf rule, hub.pick_projector);
+    # `no_mmproj` (`pull --no-mmproj`): none, and a projector the name had is detached
+    mmproj: str | None = None
+    mmproj_repo: str | None = None
+    mmproj_path: Path | None = None
+    find_mmproj: bool = False
+    no_mmproj: bool = False
+
+    @property
+    def wants_projector(self) -> bool:
+        return bool(self.mmproj or self.mmproj_path or self.find_mmproj or self.no_mmproj)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -117,7 +132,8 @@ class Catalog:
                 explicit = quant or (tag if tag != DEFAULT_TAG else None)
                 q = (explicit or self.defaults.get("default_quant", "Q4_K_M")).upper()
                 local = "if-missing" if explicit and q in _local_types() else "no"
-                return Source(kind="hf", name=f"hf.co/{repo}:{q}", quant=q, repo=repo, local_quant=local)
+                return Source(kind="hf", name=f"hf.co/{repo}:{q}", quant=q, repo=repo, local_quant=local,
+                              find_mmproj=True)
         key = f"{lowered}:{tag}"
         entry = self.entry(key)
         if entry is None:
@@ -128,14 +144,14 @@ class Catalog:
         quants = [s.upper() for s in entry.get("quants", [])]
         store_name = entry["key"] if q == entry.get("default_quant", "Q4_K_M").upper() else f"{entry['key']}-{q.lower()}"
         if quants and q not in quants:
-            return self._local_quant(entry, q, quants, store_name)
+            return _with_projector(self._local_quant(entry, q, quants, store_name), entry)
         if "pypi" in entry:
-            return Source(kind="pypi", name=store_name, quant=q, pypi=entry["pypi"], module=entry.get("module"),
-                          entry=entry)
+            return _with_projector(Source(kind="pypi", name=store_name, quant=q, pypi=entry["pypi"],
+                                          module=entry.get("module"), entry=entry), entry)
         if "repo" not in entry or "file" not in entry:
             raise InvalidInput(f"catalog entry {entry['key']} has neither `repo`+`file` nor `pypi`")
-        return Source(kind="hf", name=store_name, quant=q, repo=entry["repo"],
-                      filename=entry["file"].format(quant=q), entry=entry)
+        return _with_projector(Source(kind="hf", name=store_name, quant=q, repo=entry["repo"],
+                                      filename=entry["file"].format(quant=q), entry=entry), entry)
 
     def _local_quant(self, entry: dict[str, Any], q: str, published: list[str], store_name: str) -> Source:
         """`q` is not published for `entry`: a Source that fetches the unquantized original to quantize."""
@@ -163,6 +179,18 @@ class Catalog:
                                 f"`unquantized_repo`/`unquantized_file` for {key} in your models.toml")
         return Source(kind="hf", name=store_name, quant=q, repo=repo, filename=filename, entry=entry,
                       local_quant="yes")
+
+
+def _with_projector(source: Source, entry: dict[str, Any]) -> Source:
+    """The entry's `mmproj` (a file in `mmproj_repo`, else in the entry's `repo`) on its Source."""
+    mmproj = entry.get("mmproj")
+    if not mmproj:
+        return source
+    repo = entry.get("mmproj_repo") or entry.get("repo")
+    if not isinstance(mmproj, str) or not mmproj.lower().endswith(".gguf") or not repo:
+        raise InvalidInput(f"catalog entry {entry['key']}: `mmproj` must name a .gguf file in `repo` "
+                           "(or in `mmproj_repo`)")
+    return dataclasses.replace(source, mmproj=mmproj, mmproj_repo=repo)
 
 
 def _local_types() -> tuple[str, ...]:

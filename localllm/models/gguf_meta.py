@@ -296,3 +296,72 @@ def model_info(path: str | Path) -> ModelInfo:
         fim_tokens=fim, size_bytes=gf.file_size, layer_bytes=layer_bytes, other_bytes=other,
         tensor_types=types, pooling_type=_first_int(gf.arch_get("pooling_type")),
     )
+
+
+# ---- vision projectors (mmproj GGUFs: llama.cpp's mtmd reads them beside the text model) ------------------
+PROJECTOR_ARCH = "clip"  # every mmproj GGUF says general.architecture = "clip"
+
+
+@dataclass
+class ProjectorInfo:
+    """A projector's header: what `show` reports and what the fit plan sizes (weights, one image's compute)."""
+
+    path: Path
+    projector_type: str | None  # clip.projector_type ("gemma3", "mlp", "qwen2vl_merger", …)
+    has_vision: bool
+    has_audio: bool
+    image_size: int | None  # clip.vision.image_size: the side each image is resized to (or the largest)
+    patch_size: int | None
+    embedding_length: int | None  # the vision encoder's width
+    feed_forward_length: int | None
+    block_count: int | None
+    head_count: int | None
+    projection_dim: int | None
+    parameters: int
+    size_bytes: int  # the file
+    weights_bytes: int  # its tensors (what is loaded)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the header's keys (long arrays left out)
+    array_lengths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n_patches(self) -> int | None:
+        """Patches of one image at `image_size` (the vision encoder's sequence length), when known."""
+        if not self.image_size or not self.patch_size:
+            return None
+        return (self.image_size // self.patch_size) ** 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"projector_type": self.projector_type, "vision": self.has_vision, "audio": self.has_audio,
+                "image_size": self.image_size, "patch_size": self.patch_size,
+                "embedding_length": self.embedding_length, "block_count": self.block_count,
+                "head_count": self.head_count, "projection_dim": self.projection_dim,
+                "parameters": self.parameters, "size_bytes": self.size_bytes}
+
+
+def projector_info(path: str | Path) -> ProjectorInfo:
+    """Read a projector's header; NotGGUF when the file is not a GGUF or not a projector."""
+    gf = read_gguf(path)
+    arch = gf.get("general.architecture")
+    if arch != PROJECTOR_ARCH:
+        raise NotGGUF(f"{Path(path).name} is not a vision projector (its general.architecture is {arch!r}; "
+                      f"an mmproj file's is {PROJECTOR_ARCH!r})",
+                      "give the model's mmproj-*.gguf file (published beside the model)")
+    meta = gf.metadata
+
+    def num(key: str) -> int | None:
+        return _first_int(meta.get(key))
+
+    vision = meta.get("clip.has_vision_encoder")
+    audio = bool(meta.get("clip.has_audio_encoder"))
+    return ProjectorInfo(
+        path=Path(path),
+        projector_type=meta.get("clip.vision.projector_type") or meta.get("clip.projector_type"),
+        has_vision=bool(vision) if vision is not None else not audio,
+        has_audio=audio,
+        image_size=num("clip.vision.image_size"), patch_size=num("clip.vision.patch_size"),
+        embedding_length=num("clip.vision.embedding_length"),
+        feed_forward_length=num("clip.vision.feed_forward_length"), block_count=num("clip.vision.block_count"),
+        head_count=num("clip.vision.attention.head_count"), projection_dim=num("clip.vision.projection_dim"),
+        parameters=sum(t.n_elements for t in gf.tensors), size_bytes=gf.file_size,
+        weights_bytes=sum(t.n_bytes for t in gf.tensors), metadata=dict(meta), array_lengths=dict(gf.array_lengths),
+    )

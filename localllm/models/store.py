@@ -2,12 +2,13 @@
 
 Layout under the data folder:
     models/blobs/sha256-<hex>            the GGUF files, named by their sha256
-    models/manifests/<name>/<tag>.json   which blob a name points at, where it came from
+    models/manifests/<name>/<tag>.json   which blob a name points at, where it came from; a vision model's
+                                         manifest also names its projector's blob (`projector`)
     models/locks/                        file locks for writers, and one file per process using a blob
 
 Every write goes to a temporary file in the target folder and is renamed into place, so a crash
-leaves either the old state or the new one. A blob is deleted only when no manifest points at it and
-no live process has marked it in use.
+leaves either the old state or the new one. A blob is deleted only when no manifest points at it (as the
+model or as its projector) and no live process has marked it in use.
 
 The temp-file rule and the hashing writes live in files.py.
 """
@@ -49,6 +50,17 @@ class Manifest:
     created: float = field(default_factory=time.time)
     lineage: dict[str, Any] | None = None
     format: str = "gguf"
+    # a vision projector (mmproj GGUF) loaded beside the model: {"digest": "sha256:<hex>", "size": bytes,
+    # "filename": its original file name}; None for a text-only model (and in manifests older than it)
+    projector: dict[str, Any] | None = None
+
+    @property
+    def projector_digest(self) -> str | None:
+        return self.projector["digest"] if self.projector else None
+
+    def digests(self) -> list[str]:
+        """Every blob this manifest keeps: the model's, then its projector's."""
+        return [self.digest] + ([self.projector["digest"]] if self.projector else [])
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -60,8 +72,12 @@ class Manifest:
         man = cls(**known)
         if not isinstance(man.digest, str) or not isinstance(man.name, str):
             raise TypeError("name and digest must be strings")
+        if man.projector is not None and (not isinstance(man.projector, dict)
+                                          or not isinstance(man.projector.get("digest"), str)):
+            raise TypeError("projector must be an object with a digest")
         try:
-            hex_digest(man.digest)
+            for digest in man.digests():
+                hex_digest(digest)
         except StoreError as exc:
             raise ValueError(exc.message) from None
         return man
@@ -72,6 +88,8 @@ class RemoveResult:
     name: str
     blob_removed: bool
     kept_reason: str | None = None
+    projector_removed: bool = False  # the name's projector file was removed too (no other name uses it)
+    projector_kept_reason: str | None = None  # why the name's projector file was kept
 
 
 @dataclass
@@ -149,10 +167,18 @@ class Store:
         if not self.has_blob(man.digest):
             raise CorruptStore(f"the file of {man.name} is missing from the store",
                              f"pull it again: localllm pull {man.name}")
+        if man.projector_digest and not self.has_blob(man.projector_digest):
+            raise CorruptStore(f"the vision projector of {man.name} is missing from the store",
+                               f"pull it again: localllm pull {man.name}")
         return man
 
     def model_path(self, name: str) -> Path:
         return self.blob_path(self.require(name).digest)
+
+    def projector_path(self, name: str) -> Path | None:
+        """The vision projector (mmproj GGUF) an installed model was pulled with, None for a text-only one."""
+        digest = self.require(name).projector_digest
+        return self.blob_path(digest) if digest else None
 
     def list(self) -> list[Manifest]:
         out = []
@@ -172,6 +198,15 @@ class Store:
         self.locks.mkdir(parents=True, exist_ok=True)
         safe = hashlib.sha256(key.encode()).hexdigest()[:32]
         with FileLock(str(self.locks / f"{safe}.lock"), timeout=timeout):
+            yield
+
+    @contextlib.contextmanager
+    def writer_locks(self, *digests: str) -> Iterator[None]:
+        """writer_lock for several blobs at once (a model and its projector), always taken in one order (sorted),
+        so two processes locking the same pair cannot wait on each other."""
+        with contextlib.ExitStack() as stack:
+            for key in sorted({f"sha256:{hex_digest(d)}" for d in digests}):
+                stack.enter_context(self.writer_lock(key))
             yield
 
     def write_manifest(self, manifest: Manifest) -> Path:
@@ -248,16 +283,21 @@ class Store:
 
     @contextlib.contextmanager
     def in_use(self, name: str) -> Iterator[Path]:
-        """Mark a model's blob as used by this process while the block runs; yields its path."""
+        """Mark a model's blobs (the model and its projector) as used by this process while the block runs;
+        yields the model's path."""
         man = self.require(name)
-        users = self._users_dir(man.digest)
-        users.mkdir(parents=True, exist_ok=True)
-        marker = users / str(os.getpid())
-        marker.touch()
+        markers = []
         try:
+            for digest in man.digests():
+                users = self._users_dir(digest)
+                users.mkdir(parents=True, exist_ok=True)
+                marker = users / str(os.getpid())
+                marker.touch()
+                markers.append(marker)
             yield self.blob_path(man.digest)
         finally:
-            marker.unlink(missing_ok=True)
+            for marker in markers:
+                marker.unlink(missing_ok=True)
 
     def users(self, digest: str) -> list[int]:
         folder = self._users_dir(digest)
@@ -275,15 +315,26 @@ class Store:
         if man is None:
             raise ModelNotFound(f"model {normalize(name)!r} is not installed", "see `localllm list`")
         self.sweep_temporaries()
-        with self.writer_lock(man.digest):
+        with self.writer_locks(*man.digests()):
             self.manifest_path(man.name).unlink(missing_ok=True)
             self._prune_empty_dirs(self.manifest_path(man.name).parent)
             removed, reason = self._drop_blob_if_unused(man.digest)
+            if man.projector_digest:  # the projector goes with the last name that names it
+                p_removed, p_reason = self._drop_blob_if_unused(man.projector_digest)
+                return RemoveResult(man.name, removed, reason, p_removed, p_reason)
             return RemoveResult(man.name, removed, reason)
 
+    def release_blob(self, digest: str) -> tuple[bool, str | None]:
+        """Delete `digest`'s blob now if no manifest names it and no live process uses it (a pull that replaced
+        or detached a projector calls it); else (False, why it stays)."""
+        with self.writer_lock(digest):
+            return self._drop_blob_if_unused(digest)
+
     def _drop_blob_if_unused(self, digest: str) -> tuple[bool, str | None]:
-        """Delete a blob no manifest points at and no live process uses; the caller holds its writer_lock."""
-        if any(hex_digest(m.digest) == hex_digest(digest) for m in self.list()):
+        """Delete a blob no manifest points at (as its model or its projector) and no live process uses; the
+        caller holds its writer_lock."""
+        want = hex_digest(digest)
+        if any(hex_digest(d) == want for m in self.list() for d in m.digests()):
             return False, "another name points at the same file"
         pids = self.users(digest)
         if pids:
@@ -306,7 +357,7 @@ class Store:
         swept = self.sweep_temporaries()
         out.temporaries, out.temp_bytes = swept.removed, swept.bytes
         if self.blobs.is_dir():
-            referenced = {hex_digest(m.digest) for m in self.list()}
+            referenced = {hex_digest(d) for m in self.list() for d in m.digests()}
             for blob in sorted(self.blobs.glob("sha256-*")):
                 hexpart = blob.name.removeprefix("sha256-")
                 if len(hexpart) != 64 or hexpart in referenced:
@@ -347,18 +398,24 @@ class Store:
         self.sweep_temporaries()
         if man.name == dst:
             return CopyResult(man)
-        with self.writer_lock(man.digest):  # an rm of src's last other name cannot take the file meanwhile
+        # an rm of src's last other name cannot take its files (the model and its projector) meanwhile
+        with self.writer_locks(*man.digests()):
             man = self.require(src)
             old = None
             with contextlib.suppress(CorruptStore):  # an unreadable destination is simply replaced
                 old = self.get(dst)
             copy = Manifest(**{**asdict(man), "name": dst, "created": time.time()})
             self.write_manifest(copy)
-        if old is None or old.digest == copy.digest:
+        if old is None:
             return CopyResult(copy, old)
-        with self.writer_lock(old.digest):
-            removed, reason = self._drop_blob_if_unused(old.digest)
-        return CopyResult(copy, old, removed, reason)
+        # the replaced name's files that the copy does not keep: removed unless something else uses them
+        result = CopyResult(copy, old)
+        kept = {hex_digest(d) for d in copy.digests()}
+        if hex_digest(old.digest) not in kept:
+            result.blob_removed, result.kept_reason = self.release_blob(old.digest)
+        if old.projector_digest and hex_digest(old.projector_digest) not in kept:
+            self.release_blob(old.projector_digest)
+        return result
 
     def _prune_empty_dirs(self, folder: Path) -> None:
         while folder != self.manifests and self.manifests in folder.parents:

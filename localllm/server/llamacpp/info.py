@@ -65,7 +65,9 @@ async def props(request: Request) -> dict[str, Any]:
     return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
             "total_slots": slots, "model_alias": m["name"], "model_path": m["name"],  # never a file path
             "chat_template": template, "build_info": f"localllm {_version()}",
-            "modalities": {"vision": False, "video": False, "audio": False}, "is_sleeping": False}
+            # vision: the model was loaded with its projector (an mmproj pulled with it), as llama-server --mmproj
+            "modalities": {"vision": bool(engine is not None and engine.vision), "video": False, "audio": False},
+            "is_sleeping": False}
 
 
 def _version() -> str:
