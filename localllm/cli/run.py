@@ -148,7 +148,7 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     files = [_read_image(p) for p in images]
-    if files and prompt is None:
+    if files and not prompt:
         raise click.UsageError("--image needs a PROMPT (the question about the image)")
     ask = Asked(temperature, seed, max_tokens, raw, verbose, think, reasoning_budget, ctx, tuple(files))
     no_server = no_server or bool(draft) or lookup or mmproj is not None
@@ -168,13 +168,12 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     from localllm.compose.formats import file_format, raw_format
     from localllm.compose.requests import RequestBuilder
     from localllm.compose.spec import engine_kwargs
-    from localllm.models.gguf_meta import model_info
+    from localllm.models.gguf_meta import model_info, projector_info
 
+    projector = mmproj or _installed_projector(model)  # the fit plan counts it; the engine loads it as mmproj
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels)
-    projector = mmproj or _installed_projector(model)
-    if projector is not None:
-        kwargs["mmproj"] = projector
+                              kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels,
+                              projector=projector_info(projector) if projector is not None else None)
     if draft or lookup:
         from localllm.runtime.speculative.verify import SpecConfig
 

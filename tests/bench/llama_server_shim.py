@@ -4,7 +4,9 @@ download (there is no network here). tests/bench/llama_suite.py writes a `llama-
 this file and points the suite at it (LLAMA_SERVER_BIN_PATH).
 
 Environment: SHIM_TARGET "localllm" or "llama-server"; SHIM_MODEL the GGUF; SHIM_LLAMA_SERVER the real
-binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "localllm").
+binary (for "llama-server"); LOCALLLM_HOME a store for the stand-in (for "localllm"); SHIM_MMPROJ a vision
+projector for SHIM_MODEL, given to the suite's vision preset (tinygemma3) on both sides: llama-server --mmproj,
+the stand-in installed with it.
 
 Mapped for localllm: --host, --port, -c/--ctx-size, -np/--parallel, -n/--n-predict, --temp, -s/--seed,
 --chat-template NAME, --chat-template-file FILE (both --chat-template), --reasoning, --alias (the model's name,
@@ -54,6 +56,8 @@ def llama_server(argv: list[str]) -> list[str]:
     """The real llama-server, with the stand-in model instead of a download (and no repacking: it dies with
     SIGILL on AMX Xeons otherwise)."""
     out = [os.environ["SHIM_LLAMA_SERVER"], "-m", os.environ["SHIM_MODEL"], "--no-repack"]
+    if vision(argv):
+        out += ["--mmproj", os.environ["SHIM_MMPROJ"]]
     for flag, value in pairs(argv):
         if flag in MODEL_FLAGS or flag == "--offline":
             continue
@@ -79,7 +83,7 @@ def localllm(argv: list[str]) -> list[str]:
     alias = alias.split(",")[0].strip()  # --alias a,b: installed as a (serve --alias names them all)
     # one store per alias, so that the server lists the one model llama-server would (the blob is copied once each)
     os.environ["LOCALLLM_HOME"] = str(Path(os.environ["LOCALLLM_HOME"]) / alias.replace("/", "_").replace(":", "_"))
-    install(alias)
+    install(alias, os.environ["SHIM_MMPROJ"] if vision(argv) else None)
     # llama-server's /metrics is off unless asked for, its /slots on unless turned off; localllm's are both on
     out += ["--no-slots"] if "--no-slots" in argv else []
     out += [] if "--metrics" in argv else ["--no-metrics"]
@@ -94,15 +98,24 @@ def localllm(argv: list[str]) -> list[str]:
     return [*out, "-m", alias]
 
 
-def install(alias: str) -> None:
-    """The stand-in GGUF under `alias` in the shim's store (once; the blob is shared)."""
+def vision(argv: list[str]) -> bool:
+    """The suite's vision preset (its model would come with a projector from the hub), and a projector to give."""
+    return bool(os.environ.get("SHIM_MMPROJ")) and any("tinygemma3" in (v or "") for _, v in pairs(argv))
+
+
+def install(alias: str, mmproj: str | None = None) -> None:
+    """The stand-in GGUF under `alias` in the shim's store (once; the blob is shared), with its projector."""
     from localllm.models.names import normalize
     from localllm.models.store import Manifest, Store
 
     store, name = Store(), normalize(alias)
     if store.get(name) is None:
         digest, size = store.commit_blob(Path(os.environ["SHIM_MODEL"]), move=False)
-        store.write_manifest(Manifest(name=name, digest=digest, size=size))
+        projector = None
+        if mmproj:
+            pdigest, psize = store.commit_blob(Path(mmproj), move=False)
+            projector = {"digest": pdigest, "size": psize, "filename": Path(mmproj).name}
+        store.write_manifest(Manifest(name=name, digest=digest, size=size, projector=projector))
 
 
 def main() -> None:

@@ -83,8 +83,13 @@ def main() -> int:
         args.model = starter_model()
     py = suite_python(tests)
     work = Path(tempfile.mkdtemp())
+    sys.path.insert(0, str(HERE.parent))
+    from visionmodel import write_gemma3_mmproj
+
+    # test_vision_api's preset gets a tiny Gemma 3 projector for the stand-in on both sides (its width: gemma-3-270m's)
     env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(wrapper(work)), "SHIM_MODEL": str(args.model),
-           "SHIM_LLAMA_SERVER": str(Path(args.llama_server).resolve())}
+           "SHIM_LLAMA_SERVER": str(Path(args.llama_server).resolve()),
+           "SHIM_MMPROJ": str(write_gemma3_mmproj(work / "mmproj.gguf", n_embd_text=640))}
     results = {t: run(t, tests, args.files, env, work, py) for t in ("llama-server", "localllm")}
     theirs, ours = results["llama-server"], results["localllm"]
     print(f"{'file':28} {'llama-server passes':>20} {'localllm passes of those':>26} {'localllm only':>14}")

@@ -457,16 +457,21 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def models(request: Request) -> dict[str, Any]:
     from localllm.server.core.model_info import remotes
 
-    installed = server_state(request).store.list()
-    installed += remotes(server_state(request), installed)  # both have name and created
+    state = server_state(request)
+    local = state.store.list()
+    # llama-server's `models` beside OpenAI's `data`: capabilities, "multimodal" where a projector is installed
+    caps = {m.name: ["completion", "multimodal"] if m.projector else ["completion"] for m in local}
+    installed = local + remotes(state, local)  # both have name and created
     if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() on the same path
         data = [{"type": "model", "id": m.name, "display_name": m.name,
                  "created_at": rfc3339(m.created)}
                 for m in installed]
         return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
-    data = [_model_entry(server_state(request), m.name, m.created) for m in installed]
-    return {"object": "list", "data": data}
+    data = [_model_entry(state, m.name, m.created) for m in installed]
+    listed = [{"name": d["id"], "model": d["id"], "modified_at": rfc3339(m.created),
+               "capabilities": caps.get(m.name, ["completion"])} for d, m in zip(data, installed, strict=True)]
+    return {"models": listed, "object": "list", "data": data}
 
 
 def _model_entry(state: ServerState, name: str, created: float) -> dict[str, Any]:
