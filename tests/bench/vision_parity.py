@@ -177,7 +177,7 @@ def main() -> None:
           f"{'prompt ms (localllm / llama-server)':>37}")
     for r in rows:
         t, ms = r["prompt_tokens"], r["prompt_ms"]
-        print(f"{r['case']:34} {t['localllm']:>19} / {t['llama-server']:<18} {str(r['same_reply']):>11} "
+        print(f"{r['case']:34} {t['localllm']:>19} / {t['llama-server']:<18} {r['same_reply']!s:>11} "
               f"{ms['localllm']:>17.1f} / {ms['llama-server']:<17.1f}")
         if not r["same_reply"]:
             print(f"    localllm:     {r['replies']['localllm']!r}\n    llama-server: {r['replies']['llama-server']!r}")

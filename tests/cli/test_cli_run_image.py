@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from visionmodel import write_gemma3_mmproj
 
 

@@ -96,7 +96,7 @@ def test_fetching_is_capped_and_reports_failures(monkeypatch: pytest.MonkeyPatch
     png = encode()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = png if self.path == "/ok.png" else b"x" * (media.MAX_IMAGE_BYTES + 10)
             if self.path == "/missing.png":
                 self.send_response(404)
