@@ -105,9 +105,10 @@ def read(path: str, data: dict[str, Any]) -> tuple[int, str, float]:
     if path == "/v1/chat/completions":
         return (data["usage"]["prompt_tokens"], data["choices"][0]["message"]["content"],
                 data.get("timings", {}).get("prompt_ms", float("nan")))
-    if path == "/v1/messages":
+    if path == "/v1/messages":  # llama-server's input_tokens leave out the cached part: count it back
         text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
-        return data["usage"]["input_tokens"], text, data.get("timings", {}).get("prompt_ms", float("nan"))
+        u = data["usage"]
+        return u["input_tokens"] + u.get("cache_read_input_tokens", 0), text, float("nan")
     if path == "/v1/responses":
         text = "".join(c.get("text", "") for o in data["output"] if o.get("type") == "message" for c in o["content"])
         return data["usage"]["input_tokens"], text, data.get("timings", {}).get("prompt_ms", float("nan"))
@@ -158,31 +159,42 @@ def main() -> None:
                 for _ in range(a.rounds):
                     for who, url, path, body in (("llama-server", f"http://127.0.0.1:{sp}", spath, sbody),
                                                  ("localllm", f"http://127.0.0.1:{lp}", lpath, lbody)):
-                        r = http.post(url + path, json={**body, "model": "vision"})
+                        fresh = {"cache_prompt": False} if who == "llama-server" else {}
+                        r = http.post(url + path, json={**body, "model": "vision", **fresh})
                         if r.status_code != 200:
                             got[who].append((-1, f"HTTP {r.status_code}: {r.text[:120]}", float("nan")))
                             continue
                         got[who].append(read(path, r.json()))
                 (ln, lt, _), (sn, st, _) = got["localllm"][0], got["llama-server"][0]
-                med = {w: sorted(g[2] for g in v)[len(v) // 2] for w, v in got.items()}
                 rows.append({"case": name, "prompt_tokens": {"localllm": ln, "llama-server": sn},
-                             "same_reply": lt == st, "prompt_ms": med,
-                             "replies": {"localllm": lt, "llama-server": st}})
+                             "same_reply": lt == st, "replies": {"localllm": lt, "llama-server": st}})
+            cost: dict[str, list[float]] = {"localllm": [], "llama-server": []}
+            for i in range(max(3, a.rounds)):  # a new image each round: nothing of it is cached on either side
+                b = base64.b64encode(png(100 + i, (64, 64))).decode()
+                for who, url in (("llama-server", f"http://127.0.0.1:{sp}"), ("localllm", f"http://127.0.0.1:{lp}")):
+                    r = http.post(url + "/completion", json={"model": "vision", "n_predict": 1, "cache_prompt": False,
+                                                             "prompt": {"prompt_string": "<__media__>\nDescribe.",
+                                                                        "multimodal_data": [b]}})
+                    cost[who].append(r.json()["timings"]["prompt_ms"])
     finally:
         for p in (ls, ll):
             p.terminate()
         for p in (ls, ll):
             p.wait(timeout=30)
-    print(f"{'case':34} {'prompt tokens (localllm / llama-server)':>40} {'same reply':>11} "
-          f"{'prompt ms (localllm / llama-server)':>37}")
+    print(f"{'case':34} {'prompt tokens (localllm / llama-server)':>40} {'same reply':>11}")
     for r in rows:
-        t, ms = r["prompt_tokens"], r["prompt_ms"]
-        print(f"{r['case']:34} {t['localllm']:>19} / {t['llama-server']:<18} {r['same_reply']!s:>11} "
-              f"{ms['localllm']:>17.1f} / {ms['llama-server']:<17.1f}")
+        t = r["prompt_tokens"]
+        print(f"{r['case']:34} {t['localllm']:>19} / {t['llama-server']:<18} {r['same_reply']!s:>11}")
         if not r["same_reply"]:
             print(f"    localllm:     {r['replies']['localllm']!r}\n    llama-server: {r['replies']['llama-server']!r}")
+    med = {w: sorted(v)[len(v) // 2] for w, v in cost.items()}
+    print(f"\nprefill of one new image + 4 text tokens, /completion, median of {len(cost['localllm'])}: "
+          f"localllm {med['localllm']:.1f} ms, llama-server {med['llama-server']:.1f} ms "
+          f"(ratio {med['localllm'] / med['llama-server']:.2f})")
+    print(f"rounds (ms): localllm {[round(x, 1) for x in cost['localllm']]}, "
+          f"llama-server {[round(x, 1) for x in cost['llama-server']]}")
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2))
+        Path(a.json).write_text(json.dumps({"rows": rows, "image_prefill_ms": cost}, indent=2))
 
 
 if __name__ == "__main__":
