@@ -6,12 +6,15 @@ import base64
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from localllm.cli import Number, Setting, load_settings
 from localllm.errors import InvalidInput, LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.runtime.types import Image
 
 
 def resolve_model(model: str) -> tuple[Path, str | None]:
@@ -202,7 +205,7 @@ class Asked:
     ctx: int | None = None
     images: tuple[tuple[str, bytes], ...] = ()  # (file name, its bytes), from --image
 
-    def decoded_images(self) -> list[Any]:
+    def decoded_images(self) -> list[Image]:
         """The --image files as runtime Images, each checked (compose/media.py): a bad file is a clear error."""
         from localllm.compose import media
 

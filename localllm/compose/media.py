@@ -25,6 +25,9 @@ from localllm.runtime.types import Image
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image file
 MAX_PIXELS = 40_000_000  # a 12 MP phone photo fits three times over; a 20 000 × 20 000 bomb does not
 MAX_SIDE = 16_384
+# one request's images: their pixels cross to the model's runner process (and a frame there is at most 1 GiB)
+MAX_IMAGES = 32
+MAX_REQUEST_PIXELS = 64_000_000
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 HINT = "send a PNG, JPEG, GIF, WebP or BMP image as a data: URI (data:image/png;base64,...) or bare base64"
 
@@ -40,17 +43,15 @@ def decode(data: bytes, where: str = "image") -> Image:
         raise InvalidInput(f"{where} is {len(data) >> 20} MiB; images are limited to {MAX_IMAGE_BYTES >> 20} MiB",
                            "send a smaller or more compressed image")
     try:
-        im = PILImage.open(io.BytesIO(data))
+        im = PILImage.open(io.BytesIO(data), formats=FORMATS)  # no other parser sees untrusted bytes
     except UnidentifiedImageError:
-        raise InvalidInput(f"{where} is not an image localllm can read", HINT) from None
+        raise InvalidInput(f"{where} is not an image localllm can read (PNG, JPEG, GIF, WebP or BMP)", HINT) from None
     except PILImage.DecompressionBombError:  # Pillow's own guard, past 179 million pixels
         raise InvalidInput(f"{where} has too many pixels: images may have at most {MAX_SIDE} pixels a side and "
                            f"{MAX_PIXELS // 1_000_000} million in all", "send a smaller image") from None
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"{where} could not be read: {exc}", HINT) from None
     with im:
-        if im.format not in FORMATS:
-            raise InvalidInput(f"{where} is a {im.format} image, which is not supported", HINT)
         w, h = im.size
         if w < 1 or h < 1 or w > MAX_SIDE or h > MAX_SIDE or w * h > MAX_PIXELS:
             raise InvalidInput(f"{where} is {w} x {h} pixels; images may have at most {MAX_SIDE} pixels a side "
@@ -105,9 +106,12 @@ def from_url(url: Any, where: str = "image_url", *, fetch: bool = False) -> Imag
 
 
 def _fetch(url: str, where: str) -> bytes:
-    """GET an image, at most MAX_IMAGE_BYTES, within 10 s."""
+    """GET an image, at most MAX_IMAGE_BYTES, within 10 s in all (a slow sender is cut off too)."""
+    import time
+
     import httpx
 
+    deadline = time.monotonic() + 10.0
     try:
         with httpx.stream("GET", url, timeout=10.0, follow_redirects=True) as r:
             if r.status_code != 200:
@@ -118,6 +122,8 @@ def _fetch(url: str, where: str) -> bytes:
                 if len(data) > MAX_IMAGE_BYTES:
                     raise InvalidInput(f"{where}: the image is larger than {MAX_IMAGE_BYTES >> 20} MiB",
                                        "send a smaller image")
+                if time.monotonic() > deadline:
+                    raise InvalidInput(f"{where}: fetching the image took longer than 10 s", HINT)
             return bytes(data)
     except httpx.HTTPError as exc:
         raise InvalidInput(f"{where}: the image could not be fetched ({exc.__class__.__name__})", HINT) from None
@@ -130,6 +136,18 @@ def data_uri(image: Image) -> str:
     buf = io.BytesIO()
     PILImage.frombytes("RGB", (image.width, image.height), image.rgb).save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def check_budget(images: list[Image]) -> list[Image]:
+    """One request's images, refused when there are too many or too many pixels in all."""
+    if len(images) > MAX_IMAGES:
+        raise InvalidInput(f"{len(images)} images in one request; at most {MAX_IMAGES} are accepted",
+                           "send fewer images, or several requests")
+    pixels = sum(im.width * im.height for im in images)
+    if pixels > MAX_REQUEST_PIXELS:
+        raise InvalidInput(f"the request's images have {pixels / 1e6:.0f} million pixels in all; at most "
+                           f"{MAX_REQUEST_PIXELS // 1_000_000} million are accepted", "send smaller or fewer images")
+    return images
 
 
 def image_part(url: str) -> dict[str, Any]:
@@ -158,4 +176,6 @@ def split_images(messages: list[dict[str, Any]], *, fetch: bool = False) -> tupl
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
-    return out, images
+        if len(images) > MAX_IMAGES:  # before decoding any more of them
+            check_budget(images)
+    return out, check_budget(images)

@@ -24,7 +24,7 @@ from typing import Any
 
 from localllm.compose.call_syntax import preserved
 from localllm.compose.formats import ChatFormat, template_messages
-from localllm.compose.media import MARKER, split_images
+from localllm.compose.media import MARKER, check_budget, split_images
 from localllm.compose.plan import Plan, TextLimits
 from localllm.compose.reply import ReplyFormat
 from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
@@ -217,7 +217,7 @@ class RequestBuilder:
         multimodal_data); the one chat message carries them before its text (Ollama's /api/generate)."""
         if not text:
             raise InvalidInput("prompt is empty", "send the text to complete")
-        images = images or []
+        images = check_budget(images or [])
         if template and isinstance(text, str) and self.fmt.template is not None:
             # one turn: nothing for truncate_history to drop, so it falls back to a shift as before
             head = [{"role": "system", "content": system}] if system else []

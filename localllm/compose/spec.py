@@ -234,10 +234,13 @@ class Composer:
         if s.prefix_cache_bytes is not None:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
         disk = s.prompt_cache_disk_bytes
-        if disk > 0 and digest:  # the disk tier: one folder per model file
+        if disk > 0 and digest:  # the disk tier: one folder per model file (and projector: an image's KV is its)
             from localllm.config import paths
 
-            kw["disk_cache"] = (str(paths().prompt_cache / digest.removeprefix("sha256:")[:16]), disk)
+            folder = digest.removeprefix("sha256:")[:16]
+            if projector is not None:  # its blob is named sha256-<hex>
+                folder += "-" + projector.path.name.removeprefix("sha256-")[:16]
+            kw["disk_cache"] = (str(paths().prompt_cache / folder), disk)
         return kw
 
     # ---- prompt formatting -----------------------------------------------------------------------

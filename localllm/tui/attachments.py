@@ -1,7 +1,7 @@
 """Images attached to a chat message by path (`/image PATH`, or a pasted path): checked, read, and written
 into the message as OpenAI content parts, the shape every door and the request builder take.
 
-Pure: no Textual here, so the rules (which files, how big, which MIME type) are tested without a screen.
+Pure: no Textual here (compose/media.py lends the size cap and the part's shape), so the rules (which files, how big, which MIME type) are tested without a screen.
 A message with images is `[image parts…, text part]`: images before the text, as Ollama places a message's
 `images`, so the chat reads the same prompt in process and over the server's /api/chat.
 """
@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-# the server's own cap on an encoded image (compose/media.py): a bigger file would only be refused there
-MAX_IMAGE_BYTES = 20 << 20
+from localllm.compose.media import (  # the builder's cap and part shape: one of each
+    MAX_IMAGE_BYTES,
+    image_part,
+)
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp")
 KINDS = "a PNG, JPEG, GIF, WebP or BMP image"
 # a BMP's DIB header sizes (core, v1-v5): "BM" alone is too common a start for a text file
@@ -141,10 +144,6 @@ def data_uri(att: Attachment) -> str:
 
 
 # ---- messages ------------------------------------------------------------------------------------
-def image_part(url: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 def content(text: str, urls: Sequence[str]) -> str | list[dict[str, Any]]:
     """A user message's content: the plain text when there is no image, else the images then the text."""
     if not urls:

@@ -52,7 +52,7 @@ def bomb() -> bytes:
     (b"", "empty"),
     (b"hello, this is text", "not an image"),
     (encode(size=(64, 64), noise=True)[:6000], "damaged or truncated"),  # a truncated PNG
-    (encode("TIFF"), "TIFF image, which is not supported"),
+    (encode("TIFF"), "not an image localllm can read"),  # TIFF: Pillow reads it, localllm does not
 ])
 def test_bad_files_are_clear_errors(data: bytes, says: str) -> None:
     with pytest.raises(InvalidInput, match=says):
@@ -133,3 +133,16 @@ def test_split_images_puts_a_marker_where_each_image_was() -> None:
     assert [p["text"] for p in out[1]["content"]] == ["What is ", media.MARKER, " and ", media.MARKER]
     with pytest.raises(InvalidInput, match=r"messages\[1\]\.content\[0\]\.image_url"):
         media.split_images([msgs[0], {"role": "user", "content": [media.image_part("data:image/png;base64,AAAA")]}])
+
+
+def test_a_request_has_an_image_budget() -> None:
+    url = "data:image/png;base64," + base64.b64encode(encode()).decode()
+    msgs = [{"role": "user", "content": [media.image_part(url)] * (media.MAX_IMAGES + 1)}]
+    with pytest.raises(InvalidInput, match="at most 32"):
+        media.split_images(msgs)
+    from localllm.runtime.types import Image
+
+    big = Image(8000, 5000, b"", "0" * 64)  # 40 MP each: two are over the 64 MP of one request
+    assert media.check_budget([big]) == [big]
+    with pytest.raises(InvalidInput, match="80 million pixels in all"):
+        media.check_budget([big, big])

@@ -157,3 +157,29 @@ def test_a_projector_for_another_width_is_refused(gemma_file: Path, tmp_path: Pa
     bad = write_gemma3_mmproj(tmp_path / "wide.gguf", n_embd_text=1024)
     with pytest.raises(ModelLoadError, match="projector"):
         Engine(gemma_file, n_ctx=256, slots=1, threads=2, mmproj=bad)
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_only(engine: Engine, images: list[Image]) -> None:
+    """The encoder's failure is not "KV cache full": no other request is stopped to make room."""
+    from localllm.errors import EngineError
+
+    assert engine.projector is not None
+    real = engine.projector.eval
+
+    def broken(ctx, image, pos, seq, n_batch):  # type: ignore[no-untyped-def]
+        if image is images[1]:
+            raise EngineError("the projector could not encode the image")
+        return real(ctx, image, pos, seq, n_batch)
+
+    engine.projector.eval = broken  # type: ignore[method-assign]
+    try:
+        text = engine.submit(Request("Once upon a time", GREEDY, max_tokens=24, ignore_eos=True))
+        bad = engine.submit(Request(engine.tokenize_media(TEXT, [images[1]]), GREEDY, max_tokens=4,
+                                    media=[images[1]]))
+        with pytest.raises(EngineError, match="could not encode"):
+            bad.result()
+        r = text.result()
+        assert r.finish_reason == "length" and len(r.tokens) == 24 and not r.notices
+    finally:
+        del engine.projector.eval
+    assert engine.stats()["kv_full"] == 0

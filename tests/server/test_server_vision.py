@@ -146,7 +146,11 @@ def test_an_image_for_a_text_only_model_and_too_many_images(vsrv: Server) -> Non
     assert r.status_code == 400 and "reads no images" in r.json()["error"]["message"]
     r = post(vsrv, "/api/generate", {"model": TINY, "stream": False, "prompt": Q, "images": [B64[0]]})
     assert r.status_code == 400 and "reads no images" in r.json()["error"]
-    many = [{"type": "image_url", "image_url": {"url": URI[i % 2]}} for i in range(70)]  # 70 x 18 > 1024 tokens
+    many = [{"type": "image_url", "image_url": {"url": URI[i % 2]}} for i in range(30)]
+    long = "Compare these pictures with the ones before. " * 60  # ~540 tokens + 30 images of 19: over 1024
     r = post(vsrv, "/v1/chat/completions", {"model": VISION, "max_tokens": 2, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": Q}, *many]}]})
+        {"role": "user", "content": [{"type": "text", "text": long}, *many]}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error", r.text
+    r = post(vsrv, "/v1/chat/completions", {"model": VISION, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": Q}, *(many * 2)]}]})
+    assert r.status_code == 400 and "at most 32" in r.json()["error"]["message"], r.text

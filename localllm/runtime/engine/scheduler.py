@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime.api import Embeddings, ThreadSubmit
@@ -36,6 +36,9 @@ from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, verify
 from localllm.runtime.types import Chunk, Image, Notice, PromptProgress, Request, Result
+
+if TYPE_CHECKING:
+    from localllm.runtime.native.vision import Projector
 
 __all__ = ["Engine", "Stream"]
 
@@ -103,11 +106,11 @@ class Engine(ThreadSubmit):
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
-        self.projector: Any = None  # runtime/native/vision.py Projector, when the model reads images
+        self.projector: Projector | None = None  # when the model reads images
         self._image_tokens: dict[str, int] = {}  # image digest → its token count (the projector's answer)
         try:
             if mmproj:
-                from localllm.runtime.native.vision import Projector
+                from localllm.runtime.native.vision import Projector  # loads libmtmd: only for vision models
 
                 self.projector = Projector(self.model, mmproj, threads=self.ctx.n_threads, use_gpu=n_gpu_layers != 0)
         except BaseException:
@@ -153,6 +156,7 @@ class Engine(ThreadSubmit):
         if n is None:
             if len(self._image_tokens) >= 4096:  # a bound, not a cache policy: recounting costs a resize
                 self._image_tokens.clear()
+            assert self.projector is not None
             n = self._image_tokens[image.digest] = self.projector.n_tokens(image)
         return n
 

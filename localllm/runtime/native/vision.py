@@ -25,6 +25,7 @@ from localllm.runtime.native.llama import Context, Model, NoKVSlot, utf8
 from localllm.runtime.types import MEDIA_MARKER as MARKER
 from localllm.runtime.types import Image
 
+_NO_CALLBACK = mt.mtmd_helper_post_decode_callback()  # a NULL function pointer: no post-decode hook
 _log_cb: object = None  # kept referenced: mtmd calls it for the life of the process
 
 
@@ -137,19 +138,25 @@ class Projector:
 
     def eval(self, ctx: Context, image: Image, pos: int, seq: int, n_batch: int) -> int:
         """Encode `image` and decode its embeddings into sequence `seq` from position `pos`; the new position.
-        Non-causal attention inside the image where the model asks for it (Gemma 3) is mtmd's to set."""
+        Non-causal attention inside the image where the model asks for it (Gemma 3) is mtmd's to set. An encoder
+        failure fails this request (EngineError); only the decode's "no KV slot" is NoKVSlot (mtmd's encoder
+        answers 1 on failure too, so the two are asked apart)."""
         with self._chunks(MARKER, [image], False, True) as chunks:
             ch = next((c for c in chunks if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE), None)
             if ch is None:
                 raise EngineError("mtmd made no image chunk")
             new = lc.llama_pos(0)
             with self._lock:
-                rc = mt.mtmd_helper_eval_chunk_single(self._p, ctx._p, ch, pos, seq, n_batch, False,
-                                                      ctypes.byref(new))
-        if rc == 1 or rc == -1:  # llama_decode's "no KV slot" (the helper passes its code on)
+                if mt.mtmd_encode_chunk(self._p, ch) != 0:
+                    raise EngineError(f"the projector could not encode a {image.width}x{image.height} image",
+                                      "set LOCALLLM_DEBUG=1 to see llama.cpp's log")
+                embd = mt.mtmd_get_output_embd(self._p)
+                rc = mt.mtmd_helper_decode_image_chunk(self._p, ctx._p, ch, embd, pos, seq, n_batch,
+                                                       ctypes.byref(new), _NO_CALLBACK, None)
+        if rc == 1:  # llama_decode's "no KV slot": free some and try again
             raise NoKVSlot("KV cache full: no room for an image")
         if rc != 0:
-            raise EngineError(f"evaluating an image failed (mtmd error {rc})")
+            raise EngineError(f"decoding an image failed (llama.cpp error {rc})")
         return int(new.value)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from localllm.errors import EngineError, LocalLLMError, ModelLoadError
+from localllm.errors import EngineError, InvalidInput, LocalLLMError, ModelLoadError
 from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.engine.slots import StreamState
 from localllm.runtime.engine.stream import Stream
@@ -165,6 +165,7 @@ class Runner(ThreadSubmit):
     # ---- the Engine's public API -----------------------------------------------------------------
     def submit(self, request: Request) -> Stream:
         """Queue a request in the runner. Raises InvalidInput / ContextOverflow before anything runs."""
+        _fits_a_frame(request.media)
         rid = f"{request.id}#{next(self._ids)}"
         state = StreamState()
         state.cancelled = _Cancel(self._outbox, rid, state)
@@ -195,6 +196,7 @@ class Runner(ThreadSubmit):
 
     def tokenize_media(self, text: str, images: list[Image], *, add_special: bool = True,
                        parse_special: bool = True) -> list[int]:
+        _fits_a_frame(images)
         return self.call("engine", "tokenize_media", text, images, add_special=add_special,
                          parse_special=parse_special)
 
@@ -375,6 +377,15 @@ class Runner(ThreadSubmit):
     def _tail(self) -> str:
         tail = [line for line in self._log if line.strip()][-12:]
         return "\n    ".join(tail) if tail else "(llama.cpp logged nothing)"
+
+
+def _fits_a_frame(images: list[Image]) -> None:
+    """Images whose pixels would not fit one message to the runner are refused here, before the runner reads a
+    frame it must treat as a broken pipe (compose/media.py's per-request budget keeps doors far below this)."""
+    n = sum(len(im.rgb) for im in images)
+    if n > proto.MAX_MESSAGE // 2:
+        raise InvalidInput(f"the request's images are {n >> 20} MiB of pixels; at most {proto.MAX_MESSAGE >> 21} MiB "
+                           "can go to a model's runner", "send smaller or fewer images")
 
 
 def _describe(code: int | None) -> str:

@@ -349,7 +349,7 @@ async def completion(body: CompletionBody, request: Request) -> Response:
 
     def build(prompt: Prompt) -> Build:
         if isinstance(prompt, MediaPrompt):
-            return lambda builder, options: builder.prompt(prompt.text, options, images=prompt.images)
+            return lambda builder, options: builder.prompt(prompt.text, options, images=prompt.images())
         return lambda builder, options: builder.prompt(prompt, options)
 
     return await _generate(request, body, *(build(p) for p in prompts),

@@ -27,10 +27,15 @@ from localllm.runtime.types import Image
 
 @dataclass(frozen=True)
 class MediaPrompt:
-    """A prompt string with images, each at a media marker."""
+    """A prompt string with images (base64), each at a media marker; decoded by `images()` in the request's
+    worker thread, not on the event loop."""
 
     text: str
-    images: list[Image]
+    data: list[Any]
+    where: str
+
+    def images(self) -> list[Image]:
+        return [media.from_base64(d, f"{self.where}.multimodal_data[{i}]") for i, d in enumerate(self.data)]
 
 
 # one prompt for RequestBuilder.prompt: text, token ids, or pieces of both, or text with images
@@ -77,8 +82,9 @@ def _one(value: Any, where: str) -> Prompt:
             if not isinstance(inner, str) or not isinstance(data, list):
                 raise InvalidInput(f"{where}: with multimodal_data, prompt_string must be a string and "
                                    "multimodal_data a list of base64 images")
-            return MediaPrompt(inner, [media.from_base64(d, f"{where}.multimodal_data[{i}]")
-                                       for i, d in enumerate(data)])
+            if len(data) > media.MAX_IMAGES:
+                raise InvalidInput(f"{where}.multimodal_data has {len(data)} images; at most {media.MAX_IMAGES}")
+            return MediaPrompt(inner, data, where)
         if isinstance(inner, str):
             return _one(inner, f"{where}.prompt_string")
         if isinstance(inner, list) and inner and all(_is_token(e) or isinstance(e, str) for e in inner):
