@@ -183,3 +183,51 @@ def test_an_image_that_fails_to_encode_fails_its_request_only(engine: Engine, im
     finally:
         del engine.projector.eval
     assert engine.stats()["kv_full"] == 0
+
+
+def test_fuzz_random_image_traffic_never_serves_one_images_kv_for_another(gemma_file: Path, mmproj: Path) -> None:
+    """Seeded random traffic, two requests at a time on two slots: three images, questions before and after
+    them, repeats. No request reuses more of the cache than it shares, token for token (an image's ids are its
+    own), with any prompt before it; each reply's first token is its fresh reference's, or a near-tie of it
+    (batched beside another sequence, gemma-3-270m's logits move by up to TOL: eval/reference.py)."""
+    import random
+
+    from localllm.eval.reference import TOL
+    from localllm.runtime.cache.prefix import common_prefix
+
+    rng = random.Random(31)
+    pics = [media.decode(png(10 + i, (32 + 8 * i, 40)), f"p{i}") for i in range(3)]
+    texts = [f"<start_of_turn>user\n{MEDIA_MARKER}What is this?<end_of_turn>\n<start_of_turn>model\n",
+             f"<start_of_turn>user\nLook:{MEDIA_MARKER}<end_of_turn>\n<start_of_turn>model\n",
+             f"<start_of_turn>user\nTwo:{MEDIA_MARKER}{MEDIA_MARKER}<end_of_turn>\n<start_of_turn>model\n"]
+    cases = [(t, (i,) if k < 2 else (i, (i + 1) % 3)) for k, t in enumerate(texts) for i in range(3)]
+    refs: dict[int, dict[int, float]] = {}  # case → the fresh reference's first-token logprobs (top 16)
+    with Engine(gemma_file, n_ctx=1024, slots=1, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as fresh:
+        for n, (text, ids) in enumerate(cases):
+            fresh.reset_cache()
+            ims = [pics[i] for i in ids]
+            r = fresh.generate(Request(fresh.tokenize_media(text, ims), GREEDY, max_tokens=1, media=ims, n_probs=16))
+            refs[n] = {t.id: t.logprob for t in r.probs[0].top}
+    ties = 0
+    seen: list[list[int]] = []
+    with Engine(gemma_file, n_ctx=1024, slots=2, threads=2, cpu_kernels=KERNELS, mmproj=mmproj,
+                state_cache_bytes=64 << 20, min_park_tokens=8) as e:
+        for _ in range(8):
+            batch = [rng.randrange(len(cases)) for _ in range(2)]
+            prompts = []
+            for n in batch:
+                text, ids = cases[n]
+                ims = [pics[i] for i in ids]
+                prompts.append((n, e.tokenize_media(text, ims), ims))
+            streams = [(n, p, e.submit(Request(p, GREEDY, max_tokens=6, media=ims))) for n, p, ims in prompts]
+            for n, p, s in streams:
+                r = s.result()
+                shared = max((common_prefix(p, q) for q in seen + [p2 for _, p2, _ in streams if p2 is not p]),
+                             default=0)
+                assert r.usage.cached_tokens <= shared, (n, r.usage.cached_tokens, shared)
+                best = max(refs[n].values())
+                assert r.tokens[0] in refs[n] and refs[n][r.tokens[0]] >= best - TOL, (n, r.tokens[0], refs[n])
+                ties += refs[n][r.tokens[0]] < best
+            seen += [p for _, p, _ in streams]
+        assert e.stats()["hits_slot"] + e.stats()["hits_kv"] + e.stats()["hits_ram"] > 0  # reuse did happen
+    assert ties <= 4  # most first tokens are the reference's own
