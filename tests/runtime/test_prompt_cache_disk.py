@@ -160,6 +160,36 @@ def test_gemma_chat_reopened_after_restart_continues_as_if_never_closed(gemma_fi
             assert verdict.ok, verdict
 
 
+def test_a_document_reopened_after_restart_with_a_new_question_comes_from_disk(gemma_file: Path,
+                                                                               tmp_path: Path) -> None:
+    """A sliding-window model's state holds only its last window, so a new question about the same document
+    (the prompt parts a few tokens before its end) could not use it: the disk tier also keeps checkpoints, the
+    states of the last prompt cut 32, 128 and 512 tokens before its end (through a scratch sequence). The new
+    question reuses the document from disk, and its reply is the fresh reference's within its tolerance."""
+    from localllm.eval.reference import Reference, compare
+
+    disk = (str(tmp_path / "cache"), 512 << 20)
+    doc = "The history of the printing press begins in China, where woodblocks were used. " * 40
+    kw = {"n_ctx": 2048, "slots": 2, "threads": 2}
+
+    def ask(e: Engine, q: str) -> list[int]:
+        return e.tokenize(f"<start_of_turn>user\n{doc}\n\n{q}<end_of_turn>\n<start_of_turn>model\n")
+
+    with Engine(gemma_file, **kw, disk_cache=disk) as e:
+        first = ask(e, "What is it about?")
+        e.generate(Request(first, GREEDY, max_tokens=4))
+    with Engine(gemma_file, **kw, disk_cache=disk) as e:
+        second = ask(e, "Who used woodblocks?")
+        shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        r = e.generate(Request(second, GREEDY, max_tokens=6, ignore_eos=True))
+        assert r.timings.cache_tier == "disk" and shared - 32 <= r.usage.cached_tokens <= shared
+    with Engine(gemma_file, n_ctx=2048, slots=2, threads=2, state_cache_bytes=0) as e:  # no disk tier
+        assert e.generate(Request(second, GREEDY, max_tokens=1)).usage.cached_tokens == 0
+    with Reference(gemma_file, n_ctx=2048, threads=2) as ref:
+        verdict = compare(ref, second, r.tokens, n=6, ignore_eos=True, follow=True)
+        assert verdict.ok, verdict
+
+
 def test_a_runner_writes_its_slots_to_disk_when_unloaded(tiny_path: Path, tmp_path: Path) -> None:
     """The server's engines live in runner processes: unloading one (keep_alive, a swap, shutdown) must
     leave its histories on disk for the next load; the streams in flight still end as unloaded."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.cache.disk import DiskStates
-from localllm.runtime.cache.prefix import StateLRU, worth_reusing
+from localllm.runtime.cache.prefix import StateLRU, kv_holds, worth_reusing
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.native.llama import Context, bindings_version
 
@@ -41,10 +41,13 @@ class Parking:
     """Parked histories of one context: RAM first, disk behind it."""
 
     def __init__(self, ctx: Context, ram_bytes: int, min_tokens: int, n_swa: int,
-                 disk: DiskStates | None = None) -> None:
+                 disk: DiskStates | None = None, scratch: int | None = None) -> None:
         self.ctx, self.ram, self.disk = ctx, StateLRU(ram_bytes), disk
         self.min_tokens, self.n_swa = min_tokens, n_swa
+        # a sequence id no slot uses: a prefix of a history is copied there (metadata only) to save its state
+        self.scratch = scratch
         self.count = 0  # states parked in RAM so far
+        self.checkpoints = 0  # prefix states written to the disk tier
 
     @property
     def enabled(self) -> bool:
@@ -65,9 +68,31 @@ class Parking:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         if self.disk is not None:
             self.disk.put(slot.tokens, blob, pos_min)
+            self._checkpoints(slot, keep)
         in_ram = ram and self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
         self.count += in_ram
         return in_ram
+
+    def _checkpoints(self, slot: Slot, keep: int) -> None:
+        """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
+        prompts that continue (nearly) all of its history. For the disk tier — what a restart finds — also save
+        the states of prefixes a new prompt is likely to share: the last prompt whole (its reply trimmed or
+        rewritten), and cut 32, 128 and 512 tokens before its end (the same document, a new question)."""
+        if self.scratch is None or self.n_swa <= 0 or self.disk is None:
+            return
+        n = len(slot.tokens)
+        end = min(slot.prompt_len, n)
+        cuts = sorted({c for c in (end, end - 32, end - 128, end - 512)
+                       if max(keep, self.min_tokens) <= c < n - 1 and not kv_holds(n - self.n_swa, c, self.n_swa)})
+        for c in cuts:
+            self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
+            try:
+                blob = self.ctx.state_seq_get(self.scratch)
+            except LocalLLMError:
+                continue
+            finally:
+                self.ctx.seq_rm(self.scratch)
+            self.checkpoints += self.disk.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
@@ -132,5 +157,5 @@ class Parking:
     def stats(self) -> dict[str, int]:
         out = {"parked": self.count, "parked_states": len(self.ram), "parked_bytes": self.ram.used}
         if self.disk is not None:
-            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used)
+            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used, disk_checkpoints=self.checkpoints)
         return out

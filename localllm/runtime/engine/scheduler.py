@@ -75,7 +75,9 @@ class Engine(ThreadSubmit):
         self._embedder: Any = None  # runtime/native/embed.py Embedder, made by the first embed()
         self._embed_lock = threading.Lock()
         n_batch = max(n_batch, slots)
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_ubatch=n_ubatch,
+        # a sliding-window model with a disk tier gets one more sequence: the scratch for prefix checkpoints
+        scratch = slots if self.model.n_swa > 0 and disk_cache and disk_cache[1] > 0 else None
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full)
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
@@ -87,7 +89,7 @@ class Engine(ThreadSubmit):
         self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
         self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
-                               open_disk_tier(disk_cache, self.ctx, swa_full))
+                               open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
@@ -401,6 +403,7 @@ class Engine(ThreadSubmit):
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
+        dst.prompt_len = len(prompt)
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
