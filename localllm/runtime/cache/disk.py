@@ -99,6 +99,11 @@ class DiskStates:
     def __len__(self) -> int:
         return len(self._index)
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether the state of exactly these tokens is stored (a write still queued does not count)."""
+        with self._lock:
+            return tuple(tokens) in self._index
+
     @property
     def used(self) -> int:
         with self._lock:
