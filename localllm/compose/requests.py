@@ -243,6 +243,7 @@ class RequestBuilder:
         text = fim_prompt(prefix, suffix, tokens=self.fmt.fim, extra=extra, middle_prefix=middle_prefix)
         req = self._request(self._tokens(text), options, stops=[], n_keep=0, policy=policy)
         req.prefill_cuts = False  # llama-server's infill prefills without checkpoint cuts
+        req.editor = True
         return Plan(req, limits=limits)
 
     # ---- the parts -------------------------------------------------------------------------------

@@ -130,6 +130,9 @@ class Request:
     # prompt progress chunks while the prompt is prefilled (llama-server's return_progress): one as the
     # request starts, then one after each batch that carried some of its prompt
     progress: bool = False
+    # an editor's fill-in-the-middle request: its slot's history is kept over a chat's when a free slot must be
+    # taken (the file's prefix stays warm for the next completion while the user chats)
+    editor: bool = False
     # images, in the order their tokens (Image.tokens) appear in `prompt` (token ids from Engine.tokenize_media)
     media: list[Image] = field(default_factory=list)
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")

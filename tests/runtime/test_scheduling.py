@@ -148,3 +148,17 @@ def test_alone_a_long_prompt_fills_the_whole_batch(tiny_path: Path) -> None:
                 state_cache_bytes=0) as e:
         e.generate(Request([1 + (i * 7) % 200 for i in range(600)], GREEDY, max_tokens=1))
         assert e.stats()["steps"] == 2  # 512 + 88: nothing else was generating
+
+
+def test_a_chat_spares_the_editors_slot(tiny_path: Path) -> None:
+    """Two slots: an editor's completion, then two chats. The second chat takes the first chat's slot, not
+    the editor's (older) one, so the editor's next keystroke finds its file's prefix still in its slot."""
+    greedy = GenerationParams(temperature=0)
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=1, state_cache_bytes=0) as e:
+        code = e.tokenize("the model and the token json " * 12)
+        first = e.generate(Request(code, greedy, max_tokens=2, editor=True))
+        e.generate(Request(e.tokenize("hello world foo bar " * 6), greedy, max_tokens=2))
+        e.generate(Request(e.tokenize("stop bar json world " * 6), greedy, max_tokens=2))
+        again = e.generate(Request(code + first.tokens + e.tokenize(" model", add_special=False), greedy,
+                                   max_tokens=2, editor=True))
+        assert again.timings.cache_tier == "slot" and again.usage.cached_tokens >= len(code)

@@ -364,7 +364,9 @@ class Engine(ThreadSubmit):
         prompt, spans = job.prompt, job.media
         cap = len(prompt) - 1  # the last prompt token is decoded again: its logits give the first token
         free = [s for s in self.slots if s.job is None]
-        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap, spans), -s.last_used))
+        # the free slot sharing the most; among equals a chat spares an editor's history, then the least recent
+        editor = job.request.editor
+        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap, spans), editor or not s.editor, -s.last_used))
         n = self._reusable(dst, prompt, cap, spans)
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans), default=None)
         n_src = self._reusable(src, prompt, cap, spans) if src is not None else 0
@@ -403,7 +405,7 @@ class Engine(ThreadSubmit):
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
-        dst.prompt_len = len(prompt)
+        dst.prompt_len, dst.editor = len(prompt), editor
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []

@@ -152,6 +152,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     job: Job | None = None
     last_used: float = 0.0
+    editor: bool = False  # the request it last served was an editor's (Request.editor)
     prompt_len: int = 0  # the prompt of the request it last served (tokens[:prompt_len]): a checkpoint's cut
 
     @property
