@@ -209,3 +209,23 @@ def test_a_runner_writes_its_slots_to_disk_when_unloaded(tiny_path: Path, tmp_pa
     finally:
         r.close()
     assert again.tokens == _fresh(tiny_path, turn, 5)
+
+
+def test_gemma_chat_revisited_with_its_reply_trimmed_comes_from_ram(gemma_file: Path) -> None:
+    """One slot, RAM tier only: a long chat is parked by another; revisited with its last reply trimmed (a
+    client that rewrites it), it continues from the RAM checkpoint of its prompt, as the full state (its window
+    ends after the reply) cannot serve it; the reply is the fresh reference's within its tolerance."""
+    from localllm.eval.reference import Reference, compare
+
+    text = "The history of the printing press begins in China, where woodblocks were used. " * 40
+    with Engine(gemma_file, n_ctx=2048, slots=1, threads=2, min_park_tokens=64) as e:
+        chat = e.tokenize(text)
+        assert len(chat) > 600  # past the 512-token window
+        first = e.generate(Request(chat, GREEDY, max_tokens=8, ignore_eos=True))
+        e.generate(Request(e.tokenize("Something else entirely. " * 30), GREEDY, max_tokens=2))
+        turn = chat + first.tokens[:3] + e.tokenize(" Then", add_special=False)
+        r = e.generate(Request(turn, GREEDY, max_tokens=6, ignore_eos=True))
+        assert r.timings.cache_tier == "ram" and len(chat) <= r.usage.cached_tokens < len(chat) + 3
+    with Reference(gemma_file, n_ctx=2048, threads=2) as ref:
+        verdict = compare(ref, turn, r.tokens, n=6, ignore_eos=True, follow=True)
+        assert verdict.ok, verdict

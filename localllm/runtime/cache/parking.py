@@ -69,9 +69,35 @@ class Parking:
         if self.disk is not None:
             self.disk.put(slot.tokens, blob, pos_min)
             self._checkpoints(slot, keep)
-        in_ram = ram and self.ram.budget > 0 and self.ram.put(slot.tokens, blob, pos_min)
+        in_ram = ram and self.ram.budget > 0
+        if in_ram:  # the last prompt whole first: a chat revisited with its reply trimmed continues from it
+            self._ram_checkpoint(slot, keep)
+            in_ram = self.ram.put(slot.tokens, blob, pos_min)
         self.count += in_ram
         return in_ram
+
+    def _cut_state(self, slot: Slot, c: int) -> bytes | None:
+        """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence."""
+        assert self.scratch is not None
+        self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
+        try:
+            return self.ctx.state_seq_get(self.scratch)
+        except LocalLLMError:
+            return None
+        finally:
+            self.ctx.seq_rm(self.scratch)
+
+    def _ram_checkpoint(self, slot: Slot, keep: int) -> None:
+        """In RAM, for a sliding-window model, the state of the last prompt whole, where the full state
+        cannot serve it (a reply longer than a token): more chats than slots, one revisited with its last
+        reply trimmed or regenerated."""
+        if self.scratch is None or self.n_swa <= 0:
+            return
+        n, c = len(slot.tokens), min(slot.prompt_len, len(slot.tokens))
+        if max(keep, self.min_tokens) <= c < n - 1 and not kv_holds(n - self.n_swa, c, self.n_swa):
+            blob = self._cut_state(slot, c)
+            if blob is not None:
+                self.ram.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
 
     def _checkpoints(self, slot: Slot, keep: int) -> None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
@@ -86,14 +112,9 @@ class Parking:
                        if max(keep, self.min_tokens) <= c < n - 1 and not kv_holds(n - self.n_swa, c, self.n_swa)})
         # each costs a state copy on the scheduler thread (~20 ms for 3 500 tokens of gemma-3-270m): none twice
         for c in (c for c in cuts if not self.disk.holds(slot.tokens[:c])):
-            self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
-            try:
-                blob = self.ctx.state_seq_get(self.scratch)
-            except LocalLLMError:
-                continue
-            finally:
-                self.ctx.seq_rm(self.scratch)
-            self.checkpoints += self.disk.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
+            blob = self._cut_state(slot, c)
+            if blob is not None:
+                self.checkpoints += self.disk.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's

@@ -75,8 +75,9 @@ class Engine(ThreadSubmit):
         self._embedder: Any = None  # runtime/native/embed.py Embedder, made by the first embed()
         self._embed_lock = threading.Lock()
         n_batch = max(n_batch, slots)
-        # a sliding-window model with a disk tier gets one more sequence: the scratch for prefix checkpoints
-        scratch = slots if self.model.n_swa > 0 and disk_cache and disk_cache[1] > 0 else None
+        # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
+        parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
+        scratch = slots if self.model.n_swa > 0 and parks else None
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch, n_ubatch=n_ubatch,
                            n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full)
