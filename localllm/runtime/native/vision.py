@@ -130,21 +130,26 @@ class Projector:
             del out[0]  # the text brought its own BOS (Model.tokenize's rule)
         return out
 
+    @contextmanager
+    def _image_chunk(self, image: Image) -> Iterator[int]:
+        """mtmd's chunk of one image alone (valid inside the block)."""
+        with self._chunks(MARKER, [image], False, True) as chunks:
+            ch = next((c for c in chunks if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE), None)
+            if ch is None:
+                raise EngineError("mtmd made no image chunk")
+            yield ch
+
     def n_tokens(self, image: Image) -> int:
         """How many tokens `image` takes in a prompt."""
-        with self._chunks(MARKER, [image], False, True) as chunks:
-            return sum(int(mt.mtmd_input_chunk_get_n_tokens(c)) for c in chunks
-                       if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE)
+        with self._image_chunk(image) as ch:
+            return int(mt.mtmd_input_chunk_get_n_tokens(ch))
 
     def eval(self, ctx: Context, image: Image, pos: int, seq: int, n_batch: int) -> int:
         """Encode `image` and decode its embeddings into sequence `seq` from position `pos`; the new position.
         Non-causal attention inside the image where the model asks for it (Gemma 3) is mtmd's to set. An encoder
         failure fails this request (EngineError); only the decode's "no KV slot" is NoKVSlot (mtmd's encoder
         answers 1 on failure too, so the two are asked apart)."""
-        with self._chunks(MARKER, [image], False, True) as chunks:
-            ch = next((c for c in chunks if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE), None)
-            if ch is None:
-                raise EngineError("mtmd made no image chunk")
+        with self._image_chunk(image) as ch:
             new = lc.llama_pos(0)
             with self._lock:
                 if mt.mtmd_encode_chunk(self._p, ch) != 0:
