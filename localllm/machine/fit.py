@@ -211,7 +211,8 @@ class FitPlan:
     def engine_kwargs(self) -> dict[str, Any]:
         """The Engine's keyword arguments for this plan (what every caller of the plan passes on)."""
         return {"n_ctx": self.n_ctx, "slots": self.slots, "threads": self.threads,
-                "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "flash_attn": self.flash_attn}
+                "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "flash_attn": self.flash_attn,
+                "swa_full": self.swa_full}
 
 
 def gib(n: int) -> str:

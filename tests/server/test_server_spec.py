@@ -79,20 +79,20 @@ def test_lookup_auto_setting_and_no_lookup(tmp_path: Path) -> None:
     class Man:
         name, digest = "m:latest", "sha256:" + "0" * 64
 
-    assert Composer(load_settings({}), None, None).speculation(Man())[0] is None  # off by default (measured)
-    auto = Composer(load_settings({"LOCALLLM_LOOKUP_AUTO": "1"}), None, None).speculation(Man())[0]
+    auto = Composer(load_settings({}), None, None).speculation(Man())[0]  # on by default (measured)
     assert auto is not None and auto.lookup and auto.adaptive and auto.optional and auto.draft_model is None
+    assert Composer(load_settings({"LOCALLLM_LOOKUP_AUTO": "0"}), None, None).speculation(Man())[0] is None
     # the planner decides where drafting pays: without it there is no drafting without asking
-    no_plan = {"LOCALLLM_LOOKUP_AUTO": "1", "LOCALLLM_DRAFT_ADAPTIVE": "0"}
+    no_plan = {"LOCALLLM_DRAFT_ADAPTIVE": "0"}
     assert Composer(load_settings(no_plan), None, None).speculation(Man())[0] is None
     asked = Composer(load_settings({"LOCALLLM_LOOKUP": "1"}), None, None).speculation(Man())[0]
     assert asked is not None and asked.lookup and not asked.optional
 
 
 def test_lookup_auto_drafts_on_repeats_and_keeps_the_text(tmp_path: Path) -> None:
-    """A server with lookup_auto drafts by lookup where the text repeats (one stream); the greedy text is
-    the same as with drafting off for the request."""
-    with serving(tmp_path, lookup_auto=True) as info:
+    """A default server drafts by lookup where the text repeats (one stream); the greedy text is the same as
+    with drafting off for the request."""
+    with serving(tmp_path) as info:
         body = {"prompt": REPEAT, "n_predict": 60, "temperature": 0, "model": TINY}
         r = httpx.post(info.url + "/completion", json=body, timeout=60).json()
         off = httpx.post(info.url + "/completion", json=body | {"speculative.n_max": 0}, timeout=60).json()

@@ -41,11 +41,12 @@ class Parking:
     """Parked histories of one context: RAM first, disk behind it."""
 
     def __init__(self, ctx: Context, ram_bytes: int, min_tokens: int, n_swa: int,
-                 disk: DiskStates | None = None, scratch: int | None = None) -> None:
+                 disk: DiskStates | None = None, scratch: int | None = None, window: bool = False) -> None:
         self.ctx, self.ram, self.disk = ctx, StateLRU(ram_bytes), disk
         self.min_tokens, self.n_swa = min_tokens, n_swa
         # a sequence id no slot uses: a prefix of a history is copied there (metadata only) to save its state
         self.scratch = scratch
+        self.window = window  # SWA layers at the window's size: prefix states only from the slots' checkpoints
         self.count = 0  # states parked in RAM so far
         self.checkpoints = 0  # prefix states written to the disk tier
 
@@ -85,13 +86,18 @@ class Parking:
         if self.scratch is None or self.n_swa <= 0 or not (ram or self.disk is not None):
             return
         n = len(slot.tokens)
-        end = min(slot.prompt_len, n)
-        for c in sorted({end, end - 32, end - 128, end - 512} if self.disk is not None else {end}):
+        if self.window:  # only where the slot saved its SWA layers (Slot.checkpoints); the latest also in RAM
+            swa = {c.n: c.blob for c in slot.checkpoints}
+            end = max(swa, default=-1)
+        else:
+            end = min(slot.prompt_len, n)
+            swa = dict.fromkeys({end, end - 32, end - 128, end - 512} if self.disk is not None else {end})
+        for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or kv_holds(n - self.n_swa, c, self.n_swa):
                 continue
             to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c])
             to_ram = ram and c == end
-            blob = self._cut_state(slot, c) if to_disk or to_ram else None
+            blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:
                 continue
             pos_min = max(0, c - self.n_swa)
@@ -100,11 +106,14 @@ class Parking:
             if to_ram:
                 self.ram.put(slot.tokens[:c], blob, pos_min)
 
-    def _cut_state(self, slot: Slot, c: int) -> bytes | None:
-        """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence."""
+    def _cut_state(self, slot: Slot, c: int, swa: bytes | None = None) -> bytes | None:
+        """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence;
+        `swa`: those SWA layers from a checkpoint, where the cache keeps only the latest window."""
         assert self.scratch is not None
         self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
         try:
+            if swa is not None:
+                self.ctx.state_seq_set(self.scratch, swa, partial=True)
             return self.ctx.state_seq_get(self.scratch)
         except LocalLLMError:
             return None
@@ -123,7 +132,7 @@ class Parking:
             if s is not keep and s.job is None and s.tokens and (
                     len(s.tokens) < self.min_tokens or self.park(s, keep=0)):
                 self.ctx.seq_rm(s.id)
-                s.tokens = []
+                s.reset()
 
     def best(self, prompt: Sequence[int], cap: int) -> tuple[str, tuple[int, ...] | None, int]:
         """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`; a
@@ -164,7 +173,7 @@ class Parking:
         for s in slots:
             if s.job is None:
                 self.ctx.seq_rm(s.id)
-                s.tokens = []
+                s.reset()
                 if drafter is not None:
                     drafter.forget(s.id)
         self.ram.clear()

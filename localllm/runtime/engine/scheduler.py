@@ -27,7 +27,7 @@ from localllm.runtime.cache.parking import Parking, open_disk_tier
 from localllm.runtime.cache.prefix import common_prefix, kv_holds, worth_reusing
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
-from localllm.runtime.engine.prefill_split import next_end, prefill_ends
+from localllm.runtime.engine.prefill_split import CHECKPOINT_TAIL, next_end, prefill_ends
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.engine.stream import Stream
@@ -89,8 +89,11 @@ class Engine(ThreadSubmit):
         self._batch = Batch(n_batch, 1)
         self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
         self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
+        # SWA layers at the window's size (swa_full off, as llama-server by default): a prefix ending more
+        # than a window before a sequence's end is reusable only from a checkpoint (Slot.checkpoints)
+        self._window = self._n_swa > 0 and not swa_full
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
-                               open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch)
+                               open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch, window=self._window)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
@@ -106,7 +109,7 @@ class Engine(ThreadSubmit):
             "steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "prefill_us": 0,
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
-            "drafted": 0, "draft_accepted": 0, "draft_steps": 0}
+            "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         self.projector: Projector | None = None  # when the model reads images
@@ -369,8 +372,10 @@ class Engine(ThreadSubmit):
         editor = job.request.editor
         dst = max(free, key=lambda s: (self._reusable(s, prompt, cap, spans), editor or not s.editor, -s.last_used))
         n = self._reusable(dst, prompt, cap, spans)
-        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans), default=None)
-        n_src = self._reusable(src, prompt, cap, spans) if src is not None else 0
+        # another slot's prefix is copied only where its KV still holds it (its checkpoints are its own)
+        src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans, False),
+                  default=None)
+        n_src = self._reusable(src, prompt, cap, spans, False) if src is not None else 0
         tier, key, n_park = self._parked.best(prompt, cap)
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
         copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= n + _REUSE_MIN
@@ -379,16 +384,16 @@ class Engine(ThreadSubmit):
         if gain and (copy or blob is not None):
             self._parked.park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
-            dst.tokens = []
+            dst.reset()
             if copy:
                 self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
-                dst.tokens = src.tokens[:n_src]
+                dst.reset(src.tokens[:n_src])
                 self._counters["copied_prefix"] += 1
                 used = "kv"
             else:
                 try:
                     self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
-                    dst.tokens = list(key)  # type: ignore[arg-type]
+                    dst.reset(list(key))  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
@@ -397,12 +402,14 @@ class Engine(ThreadSubmit):
             n = self._reusable(dst, prompt, cap, spans)
         else:
             self._parked.park(dst, keep=n)
+            if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
+                n = self._restore_checkpoint(dst, n)
         self._parked.clear_idle(self.slots, dst)
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
                 n = 0
-            dst.tokens = dst.tokens[:n]
+            dst.truncate(n)
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
@@ -410,6 +417,8 @@ class Engine(ThreadSubmit):
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
+        if self._window:  # a batch ends where each checkpoint is taken
+            job.ends = sorted({*job.ends, *(c for c in self._checkpoint_cuts(job) if c > n)})
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -420,12 +429,40 @@ class Engine(ThreadSubmit):
         for notice in job.notices:
             job.stream.put(Chunk(notice=notice))
 
-    def _reusable(self, s: Slot, prompt: list[int], cap: int, spans: list[prompt_media.Span]) -> int:
-        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are (an
-        image's tokens all or none)."""
+    def _reusable(self, s: Slot, prompt: list[int], cap: int, spans: list[prompt_media.Span],
+                  checkpoints: bool = True) -> int:
+        """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are, or
+        after restoring one of its checkpoints (an image's tokens all or none)."""
         n = prompt_media.reusable(min(common_prefix(s.tokens, prompt), cap), spans)
-        ok = worth_reusing(n, len(prompt)) and kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa)
-        return n if ok else 0
+        if not worth_reusing(n, len(prompt)):
+            return 0
+        if kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa):
+            return n
+        c = s.best_checkpoint(n) if checkpoints else None
+        ok = c is not None and worth_reusing(c.n, len(prompt)) and prompt_media.reusable(c.n, spans) == c.n
+        return c.n if ok else 0  # type: ignore[union-attr]
+
+    def _restore_checkpoint(self, s: Slot, n: int) -> int:
+        """Put back the SWA layers of slot s as they were after its first n tokens (the caller then drops the
+        rest); 0 when llama.cpp refuses the checkpoint (the slot starts over)."""
+        c = s.best_checkpoint(n)
+        try:
+            if c is None or c.n != n:
+                raise EngineError(f"no checkpoint at {n} tokens")
+            self.ctx.state_seq_set(s.id, c.blob, partial=True)
+        except EngineError:
+            self.ctx.seq_rm(s.id)
+            s.reset()
+            return 0
+        self._counters["checkpoint_restores"] += 1
+        return n
+
+    def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
+        """Where a window-sized sliding-window cache saves checkpoints of a prompt, as llama-server: CHECKPOINT_TAIL
+        tokens before its end (the same prompt again — a regenerated or trimmed reply — still has tokens to
+        decode after it) and a ubatch before that (a new question after the same long document)."""
+        tail = len(job.prompt) - CHECKPOINT_TAIL
+        return tuple(c for c in (tail - self._cut_ubatch, tail) if c >= 64)
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""
@@ -452,14 +489,14 @@ class Engine(ThreadSubmit):
         d, cut = context_shift.plan_shared_shift(s.tokens, k, [(t.tokens, t.job is not None) for t in others])
         for t in (others[i] for i in cut):  # idle sharers of the cells beyond n_keep give up their tail
             if self.ctx.seq_rm(t.id, k, -1):
-                t.tokens = t.tokens[:k]
+                t.truncate(k)
             else:
                 self.ctx.seq_rm(t.id)
-                t.tokens = []
+                t.reset()
         if not self.ctx.seq_rm(s.id, k, k + d):
             raise EngineError("the KV cache refused to drop tokens for a context shift")
         self.ctx.seq_add(s.id, k + d, -1, -d)
-        s.tokens = s.tokens[:k] + s.tokens[k + d:]
+        s.reset(s.tokens[:k] + s.tokens[k + d:])  # positions moved: no checkpoint holds any more
         self._counters["shifts"] += 1
         if self._drafter is not None:
             self._drafter.shift(s.id, k, d)
@@ -529,7 +566,7 @@ class Engine(ThreadSubmit):
             self._counters["kv_full"] += 1
             for s, n0, nxt, pend in undo:  # roll back: the batch never happened
                 self.ctx.seq_rm(s.id, n0, -1)
-                s.tokens = s.tokens[:n0]
+                s.truncate(n0)
                 s.job.next_tokens, s.job.pending = nxt, pend
             if any(drafts for _, _, drafts, _ in rows):
                 self._draft_pause = True  # retry without drafts before taking room from anyone
@@ -561,8 +598,22 @@ class Engine(ThreadSubmit):
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
+        if self._window:
+            for s, _ in prefilled:
+                if s.job is not None and len(s.tokens) in self._checkpoint_cuts(s.job):
+                    self._take_checkpoint(s)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+
+    def _take_checkpoint(self, s: Slot) -> None:
+        """Save the SWA layers of a prompt nearly prefilled (a window's worth of cells, ~8 MB on gemma-3-270m),
+        so that a later prompt sharing it — the same chat with its reply trimmed or regenerated — continues
+        from here after the window has moved on."""
+        try:
+            s.checkpoint(len(s.tokens), self.ctx.state_seq_get(s.id, partial=True))
+            self._counters["checkpoints"] += 1
+        except LocalLLMError:
+            pass  # a checkpoint is an optimisation: without it the prompt is prefilled again
 
     def _eval_image(self, s: Slot, span: prompt_media.Span) -> None:
         """Encode one image of a slot's prompt and decode its embeddings into the slot's sequence."""
@@ -598,7 +649,7 @@ class Engine(ThreadSubmit):
             for s in idle:
                 self._parked.park(s, keep=0)
                 self.ctx.seq_rm(s.id)
-                s.tokens = []
+                s.reset()
             return
         active = [s for s in self.slots if s.job]
         used = sum(len(s.tokens) for s in active)
@@ -673,6 +724,6 @@ class Engine(ThreadSubmit):
         if s.job is None:
             return
         self.ctx.seq_rm(s.id)
-        s.tokens = []
+        s.reset()
         err = exc if isinstance(exc, LocalLLMError) else EngineError(f"generation failed: {exc!r}")
         self._finish(s, "error", error=err)

@@ -143,6 +143,18 @@ class Job:
 
 SlotState = Literal["idle", "prefill", "generate"]
 
+CHECKPOINTS_PER_SLOT = 4  # llama-server keeps up to 8 per slot (--ctx-checkpoints); a slot here seldom needs more
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The part of a sequence's state that cannot be rolled back (a sliding-window model's SWA layers, kept at
+    the window's size), saved when the sequence held its first `n` tokens. Restored over the full-attention
+    layers' cells, which stay in place, it lets a prompt that shares only those n tokens continue from there."""
+
+    n: int
+    blob: bytes
+
 
 @dataclass
 class Slot:
@@ -154,6 +166,25 @@ class Slot:
     last_used: float = 0.0
     editor: bool = False  # the request it last served was an editor's (Request.editor)
     prompt_len: int = 0  # the prompt of the request it last served (tokens[:prompt_len]): a checkpoint's cut
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
+        del self.tokens[n:]
+        self.checkpoints = [c for c in self.checkpoints if c.n <= n]
+
+    def reset(self, tokens: list[int] | None = None) -> None:
+        """A new history (the KV cache holds `tokens` for this sequence now, or nothing)."""
+        self.tokens = tokens if tokens is not None else []
+        self.checkpoints = []
+
+    def checkpoint(self, n: int, blob: bytes) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c.n != n][-(CHECKPOINTS_PER_SLOT - 1):]
+        self.checkpoints.append(Checkpoint(n, blob))
+
+    def best_checkpoint(self, n: int) -> Checkpoint | None:
+        """The checkpoint serving the most of a prefix of n tokens shared with the history."""
+        return max((c for c in self.checkpoints if c.n <= n), key=lambda c: c.n, default=None)
 
     @property
     def state(self) -> SlotState:

@@ -549,17 +549,21 @@ class Context:
         lc.llama_memory_clear(self._mem, True)
 
     # ---- per-sequence state ---------------------------------------------------------------------
-    def state_seq_get(self, seq: int) -> bytes:
-        size = lc.llama_state_seq_get_size(self._p, seq)
+    def state_seq_get(self, seq: int, *, partial: bool = False) -> bytes:
+        """The sequence's state; partial: only what cannot be rolled back (a sliding-window model's SWA
+        layers, a recurrent state) — a checkpoint, restored over the full layers' cells kept in place."""
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = lc.llama_state_seq_get_size_ext(self._p, seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        n = lc.llama_state_seq_get_data(self._p, buf, size, seq)
+        n = lc.llama_state_seq_get_data_ext(self._p, buf, size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")
         return bytes(buf)
 
-    def state_seq_set(self, seq: int, data: bytes) -> None:
+    def state_seq_set(self, seq: int, data: bytes, *, partial: bool = False) -> None:
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if lc.llama_state_seq_set_data(self._p, buf, len(data), seq) == 0:
+        if lc.llama_state_seq_set_data_ext(self._p, buf, len(data), seq, flags) == 0:
             raise EngineError(f"restoring sequence {seq} state failed")
 
     def close(self) -> None:

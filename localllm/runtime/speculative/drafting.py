@@ -42,7 +42,7 @@ def settle_drafts(ctx: Context, s: Slot, n0: int, drafts: list[int], n_acc: int,
     if keep < len(s.tokens):
         if not ctx.seq_rm(s.id, keep, -1):
             raise EngineError("the KV cache refused to drop rejected draft tokens")
-        del s.tokens[keep:]
+        s.truncate(keep)
     job.spec.update(len(drafts), n_acc)
     job.timings.draft_n += len(drafts)
     job.timings.draft_accepted += n_acc

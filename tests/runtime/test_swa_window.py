@@ -1,0 +1,84 @@
+"""Sliding-window layers at the window's size (swa_full off, llama-server's default memory), with checkpoints:
+a prompt sharing a prefix that ended more than a window before a sequence's end continues from the checkpoint
+of its SWA layers, in the slot, from the RAM tier and from the disk tier, with the greedy tokens of a fresh
+context (tiny gemma3 with a 32-token window: a few hundred tokens move it as thousands move gemma-3-270m's)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.types import GenerationParams, Request
+from tests.tinymodel import make_tiny_gemma3_gguf
+
+GREEDY = GenerationParams(temperature=0)
+Q1 = list(range(11, 21))  # a first question after a document: longer than the 4 tokens after the last checkpoint
+# n_ubatch 32: the SWA cache holds 32 cells a sequence + a ubatch, so generation overwrites old windows soon
+# generated after a prompt: more than the SWA cache's 256 cells (llama.cpp pads 32 + 32 to 256), so the
+# prompt's window is overwritten and only a checkpoint can serve the prompt again
+GEN = 330
+KW = {"n_ctx": 2048, "threads": 2, "n_batch": 128, "n_ubatch": 32, "swa_full": False}
+
+
+@pytest.fixture(scope="module")
+def swa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma3_gguf(tmp_path_factory.mktemp("swa") / "tiny-swa.gguf")
+
+
+def _prompt(seed: int, n: int = 220) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 500) for _ in range(n - 1)]
+
+
+def _fresh(path: Path, prompt: list[int], n: int) -> list[int]:
+    with Engine(path, **KW, slots=1, state_cache_bytes=0) as e:
+        return e.generate(Request(prompt, GREEDY, max_tokens=n, ignore_eos=True)).tokens
+
+
+def test_a_regenerated_reply_continues_from_the_slots_checkpoint(swa_path: Path) -> None:
+    p = _prompt(1)
+    with Engine(swa_path, **KW, slots=1, state_cache_bytes=0) as e:
+        first = e.generate(Request(p, GREEDY, max_tokens=GEN, ignore_eos=True))
+        again = e.generate(Request(p, GREEDY, max_tokens=12, ignore_eos=True))  # the reply trimmed: regenerate
+        st = e.stats()
+    # the window moved GEN tokens past the prompt: only the checkpoint (4 tokens before its end) serves it
+    assert again.usage.cached_tokens == len(p) - 4 and again.timings.cache_tier == "slot"
+    assert st["checkpoints"] >= 1 and st["checkpoint_restores"] == 1
+    assert again.tokens == first.tokens[:12] == _fresh(swa_path, p, 12)
+
+
+def test_a_new_question_after_the_same_document_uses_the_earlier_checkpoint(swa_path: Path) -> None:
+    doc = _prompt(2, 300)
+    with Engine(swa_path, **KW, slots=1, state_cache_bytes=0) as e:
+        e.generate(Request(doc + Q1, GREEDY, max_tokens=GEN, ignore_eos=True))
+        q2 = doc + [21, 22, 23, 24, 25]
+        r = e.generate(Request(q2, GREEDY, max_tokens=8, ignore_eos=True))
+    # checkpoints at 4 and 4 + n_ubatch tokens before the first prompt's end: the second is within the document
+    assert r.usage.cached_tokens == len(doc) + len(Q1) - 4 - 32
+    assert r.tokens == _fresh(swa_path, q2, 8)
+
+
+def test_a_parked_chat_keeps_its_checkpoint_in_ram(swa_path: Path) -> None:
+    a, b = _prompt(3), _prompt(4)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:
+        e.generate(Request(a, GREEDY, max_tokens=GEN, ignore_eos=True))
+        e.generate(Request(b, GREEDY, max_tokens=8, ignore_eos=True))  # takes the one slot: a is parked
+        again = e.generate(Request(a, GREEDY, max_tokens=8, ignore_eos=True))
+    assert again.timings.cache_tier == "ram" and again.usage.cached_tokens == len(a) - 4
+    assert again.tokens == _fresh(swa_path, a, 8)
+
+
+def test_a_checkpoint_reaches_the_disk_tier_and_serves_after_a_restart(swa_path: Path, tmp_path: Path) -> None:
+    doc = _prompt(5, 300)
+    disk = (tmp_path / "states", 1 << 30)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16, disk_cache=disk) as e:
+        e.generate(Request(doc + Q1, GREEDY, max_tokens=GEN, ignore_eos=True))
+    q2 = doc + [31, 32, 33]
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16, disk_cache=disk) as e:
+        r = e.generate(Request(q2, GREEDY, max_tokens=8, ignore_eos=True))
+    assert r.timings.cache_tier == "disk" and r.usage.cached_tokens == len(doc) + len(Q1) - 4 - 32
+    assert r.tokens == _fresh(swa_path, q2, 8)
+
