@@ -312,9 +312,11 @@ def run(model: str, *, clients: list[int], gen: int = 128, threads: int = 2, ctx
     path = model_file(model)
     slots = max(clients)
     from localllm.compose.spec import engine_kwargs
+    from localllm.config import load_settings
     from localllm.models.gguf_meta import model_info
 
-    kw, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads)  # what the server plans too
+    kw, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads,  # what the server plans too
+                          swa_full=load_settings().swa_full)
     say(f"in-process engine ({kw}) and localllm serve, single stream interleaved...")
     res: dict[str, Any] = {"model": model, "settings": {"threads": threads, "ctx": ctx, "slots": slots, "gen": gen,
                                                        "clients": clients, "requests_per_client": per_client}}

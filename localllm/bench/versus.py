@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,13 @@ SIDES = ("localllm", "llama-server")
 
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path, *, threads: int, ctx: int, slots: int,
-                 repack: bool) -> Iterator[str]:
-    """llama.cpp's llama-server with a unified KV cache of `ctx` cells shared by `slots` slots (as localllm)."""
+                 repack: bool, extra: Sequence[str] = ()) -> Iterator[str]:
+    """llama.cpp's llama-server with a unified KV cache of `ctx` cells shared by `slots` slots (as localllm);
+    `extra`: more of its flags (the workloads' tuned variant)."""
     check_binary(binary)
     port = free_port()
     cmd = [str(binary), "-m", str(model), "-c", str(ctx), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
-           "-kvu", "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-a", "bench"]
+           "-kvu", "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-a", "bench", *extra]
     if not repack:
         cmd.append("--no-repack")
     base = f"http://127.0.0.1:{port}"

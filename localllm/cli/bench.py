@@ -49,6 +49,11 @@ def _given(param: str) -> bool:
               help="With --vs-llama-server: parallel slots of both servers.")
 @click.option("--repack/--no-repack", default=False, show_default=True,
               help="With --vs-llama-server: both servers with llama.cpp's repacked CPU weights, or both without.")
+@click.option("--workloads", is_flag=True, help="With --http --vs-llama-server: instead, what clients do: an agent loop, "
+              "chats revisited on 4 slots, a code edit, a regenerated reply, and (localllm alone) a document reopened "
+              "after a restart with a new question; --slots defaults to 4 and --ctx to 16384 here.")
+@click.option("--tuned", is_flag=True, help="With --workloads: also llama-server with --cache-reuse 256 --spec-type "
+              "ngram-simple, a third column.")
 @click.option("--vs-inline", is_flag=True, help="With --http: instead, runner processes against the engine inside "
               "the server (runners = false), alternating rounds: what the process split costs.")
 @click.option("--spec", is_flag=True, help="Instead: decode speed with and without speculative decoding "
@@ -66,18 +71,23 @@ def _given(param: str) -> bool:
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_llama_server: Path | None, rounds: int,
-          slots: int, repack: bool, vs_inline: bool, soak: float | None, spec: bool,
+          slots: int, repack: bool, workloads: bool, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
     With --quants: a quant ladder built from MODEL's F16 (in a temp folder): size, bytes/weight, perplexity, prompt and decode tok/s and peak RSS per quant type.
     With --http: streaming HTTP load against `localllm serve` vs the in-process engine and llama_cpp.server.
     With --http --vs-llama-server PATH: localllm side by side with llama.cpp's own server (ratios, targets).
+    With --http --vs-llama-server PATH --workloads: the same, over client workloads (agent loop, revisits, code edit...).
     With --spec: decode tok/s with no drafting, prompt lookup and a draft model; acceptance; verification cost.
     With --fuzz: requests run, probes checked, near-ties and mismatches against a fresh llama.cpp context.
     """
     import json
 
+    if workloads and not (http and vs_llama_server is not None):
+        raise click.BadOptionUsage("workloads", "'--workloads' needs --http and --vs-llama-server PATH")
+    if tuned and not workloads:
+        raise click.BadOptionUsage("tuned", "'--tuned' needs --workloads")
     if fuzz:
         from localllm.bench import fuzz as bench_fuzz
 
@@ -116,6 +126,11 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
             raise InvalidInput("--http needs an installed model name (the server serves the store), not a file")
         counts = clients  # IntList: sorted, each >= 1
         say = lambda m: click.echo(m, err=True)  # progress on stderr, results on stdout
+        if workloads and vs_llama_server is not None:
+            _workloads(model, vs_llama_server, threads=threads or 2, ctx=ctx if _given("ctx") else 16384,
+                       slots=slots if _given("slots") else 4, rounds=rounds, repack=repack, tuned=tuned,
+                       as_json=as_json)
+            return
         if vs_llama_server is not None and not soak:
             from localllm.bench import versus
 
@@ -159,6 +174,26 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         click.echo(json.dumps(res, indent=2))
         return
     print_table(res)
+
+
+def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, rounds: int, repack: bool,
+               tuned: bool, as_json: bool) -> None:
+    import dataclasses
+    import json
+
+    from localllm.bench import workloads as bench_workloads
+
+    def say(msg: str) -> None:  # progress on stderr, results on stdout
+        click.echo(msg, err=True)
+
+    sides = 3 if tuned else 2
+    say(f"localllm vs {binary}, workloads: {rounds} alternating rounds (about {sides * rounds + rounds} minutes)...")
+    rep = bench_workloads.run(model, binary, threads=threads, ctx=ctx, slots=slots, rounds=rounds, repack=repack,
+                              tuned=tuned, log=say)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(rep), indent=2))
+    else:
+        bench_workloads.print_table(rep)
 
 
 def print_table(res: dict[str, Any]) -> None:

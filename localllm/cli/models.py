@@ -237,6 +237,7 @@ def _projector_line(proj: Any) -> str:
 
 
 def _fit_plan(info: Any, **overrides: Any) -> Any:
+    from localllm.config import load_settings
     from localllm.machine.fit import plan_fit
     from localllm.machine.probe import detect_devices, ram
 
@@ -244,6 +245,7 @@ def _fit_plan(info: Any, **overrides: Any) -> Any:
     plan = plan_fit(info, ram_available=avail, devices=detect_devices(),
                              want_ctx=overrides["ctx"], gpu_layers=overrides["gpu_layers"],
                              kv_type=overrides["kv_type"], projector=overrides["projector"],
+                             swa_full=load_settings().swa_full,
                              **({"slots": overrides["slots"]} if overrides["slots"] else {}))
     return plan
 

@@ -174,8 +174,9 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     from localllm.models.gguf_meta import model_info, projector_info
 
     projector = mmproj or _installed_projector(model)  # the fit plan counts it; the engine loads it as mmproj
+    settings = load_settings()
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              kv_type=kv_type, cpu_kernels=cpu_kernels or load_settings().cpu_kernels,
+                              kv_type=kv_type, cpu_kernels=cpu_kernels or settings.cpu_kernels, swa_full=settings.swa_full,
                               projector=projector_info(projector) if projector is not None else None)
     if draft or lookup:
         from localllm.runtime.speculative.verify import SpecConfig

@@ -1,0 +1,146 @@
+"""`localllm bench --http --vs-llama-server PATH --workloads`: the pure parts (no server starts): ChatML prompts
+that extend each other as a chat grows, the tallies and ratios, the ✓/✗ marks, the table, the command's flags.
+(The figures themselves come from a run by hand on gemma3:270m.)"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from localllm.bench import workloads as wl
+from localllm.cli import cli
+
+TEXTS = wl.Texts("".join(f"word{i} " for i in range(5000)), "def f():\n    return 1\n", cpt=4.0)
+HEADER = "<|im_start|>assistant\n"
+
+
+def test_render_chatml() -> None:
+    msgs = [wl.Msg("system", "Be brief."), wl.Msg("user", "Hi"), wl.Msg("assistant", "Hello"), wl.Msg("user", "Go")]
+    assert wl.render(msgs, prefill="```python\n") == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n```python\n")
+
+
+def test_take_sizes_and_wraps() -> None:
+    assert len(TEXTS.take(0, 100)) == 400
+    start = len(TEXTS.corpus) // 4 - 10  # ~40 characters before the end
+    tail = TEXTS.corpus[start * 4:]
+    end = TEXTS.take(start, 100)
+    assert len(end) == 400 and 40 <= len(tail) < 44 and end == tail + TEXTS.corpus[:400 - len(tail)]
+
+
+def test_agent_turns_extend_each_other() -> None:
+    """Each turn is the last prompt, its reply, and a new tool result: a server can reuse all it holds."""
+    replies = ["first reply", "second reply", "third"]
+    prompts = [wl.agent_prompt(TEXTS, "n1.0.agent", 0, replies[:k]) for k in range(len(replies) + 1)]
+    for k, (a, b) in enumerate(itertools.pairwise(prompts)):
+        assert b.startswith(a + replies[k] + "<|im_end|>\n<|im_start|>user\nTool result")
+    assert prompts[0].startswith("<|im_start|>system\nSession n1.0.agent:")
+    assert all(p.endswith(HEADER) for p in prompts) and prompts[-1].count("Tool result") == 4
+    assert 2400 < len(prompts[0]) / TEXTS.cpt < 2900  # ~2500-token system prompt, ~300-token tool result
+    assert wl.agent_prompt(TEXTS, "n1.1.agent", 1, []) != prompts[0]
+
+
+def test_revisits_and_other_prompts() -> None:
+    firsts = [wl.revisit_prompt(TEXTS, "n.0.revisits", 0, i) for i in range(wl.REVISIT_CHATS)]
+    assert len(set(firsts)) == wl.REVISIT_CHATS
+    second = wl.revisit_prompt(TEXTS, "n.0.revisits", 0, 3, "a reply")
+    assert second.startswith(firsts[3] + "a reply<|im_end|>\n<|im_start|>user\n") and second.endswith(HEADER)
+    code = wl.code_prompt(TEXTS, "n.0.code")
+    assert TEXTS.source in code and code.endswith(HEADER + "```python\n")
+    trim = wl.trim_prompt(TEXTS, "n.0.trim", 0)
+    assert trim.endswith(HEADER) and 500 < len(trim) / TEXTS.cpt < 700
+    a, b = wl.doc_prompt(TEXTS, "n.0.doc", "Q one?"), wl.doc_prompt(TEXTS, "n.0.doc", "Q two?")
+    common = len(a) - len("Q one?" + "<|im_end|>\n" + HEADER)
+    assert a[:common] == b[:common] and a != b
+
+
+def test_marks() -> None:
+    assert wl.mark(1.02, 1.03, True) == "≤ 1.03× ✓"
+    assert wl.mark(1.04, 1.03, True) == "≤ 1.03× ✗"
+    assert wl.mark(1.6, 1.5, False) == "≥ 1.5× ✓"
+    assert wl.mark(4.0, 5.0, True, " %") == "≤ 5 % ✓"
+    assert wl.mark(float("nan"), 0.4, True).endswith("✗")
+    assert wl.mark(3.0, None, True) == ""
+
+
+def test_tally_ratios_and_agreement() -> None:
+    tally = wl.Tally((*wl.SIDES, wl.TUNED))
+    for r, (a, b) in enumerate([(1.0, 2.0), (3.0, 2.0), (1.0, 0.0)]):
+        tally.add("code", {"localllm": wl.Outcome({"x": a}, ["same", "mine"]),
+                           "llama-server": wl.Outcome({"x": b}, ["same", "theirs"]),
+                           wl.TUNED: wl.Outcome({"x": 1.0}, ["same", "mine", "more"])})
+    assert tally.ratios["llama-server"]["x"][:2] == [0.5, 1.5] and math.isnan(tally.ratios["llama-server"]["x"][2])
+    assert tally.agree == {"llama-server": {"code": [3, 6]}, wl.TUNED: {"code": [6, 9]}}
+    assert wl.same_texts(["a"], ["a", "b"]) == (1, 2)
+    rep = wl.report("m", Path("/bin/ls"), wl.Settings(2, 16384, 4, 3, False, True), tally,
+                    [{"k": 1.0}, {"k": 3.0}, {"k": 2.0}])
+    assert rep.values["localllm"]["x"] == 1.0 and rep.ratios[wl.TUNED]["x"] == 1.0 and rep.reopened == {"k": 2.0}
+
+
+def fixed_report(tuned: bool) -> wl.Report:
+    sides = [*wl.SIDES, *([wl.TUNED] if tuned else [])]
+    mine = {"agent_wall_s": 20.0, "agent_ttft_p50_ms": 400.0, "revisit_ttft_p50_ms": 100.0, "code_decode_tps": 80.0,
+            "trim_cold_ttft_ms": 1200.0, "trim_regen_ttft_ms": 30.0, "trim_regen_pct": 2.5}
+    theirs = {k: 2 * v for k, v in mine.items()} | {"agent_wall_s": 19.0, "code_decode_tps": 40.0,
+                                                       "revisit_ttft_p50_ms": 300.0}
+    values = {s: (mine if s == "localllm" else theirs) for s in sides}
+    ratios = {s: {k: mine[k] / theirs[k] for k in mine} for s in sides[1:]}
+    return wl.Report("gemma3:270m", "/x/llama-server", wl.Settings(2, 16384, 4, 2, False, tuned), sides, values,
+                     ratios, {s: {k: [v, v] for k, v in r.items()} for s, r in ratios.items()},
+                     {s: {w: [5, 8] for w in wl.WORKLOADS} for s in sides[1:]},
+                     {"reopen_cold_ttft_ms": 7000.0, "reopen_ttft_ms": 140.0, "reopen_pct": 2.0,
+                      "reopen_cached_tokens": 3500.0, "reopen_prompt_tokens": 3520.0})
+
+
+def test_table(capsys: pytest.CaptureFixture[str]) -> None:
+    wl.print_table(fixed_report(tuned=False))
+    out = capsys.readouterr().out
+    assert "llama-server default" in out and "tuned" not in out
+    assert "agent loop: total wall, 8 turns (s)" in out and "20.0" in out and "19.0" in out
+    assert "≤ 1.03× ✗" in out and "≤ 0.4× ✓" in out and "≥ 1.5× ✓" in out and "localllm ≤ 5 % ✓" in out
+    assert "revisits: greedy replies of localllm 5/8 equal to llama-server" in out
+    assert "a new question (3520 tokens): cold TTFT 7000 ms, reopened 140 ms = 2.0 % of cold (target ≤ 10 % ✓; " \
+           "3500 tokens from the cache)" in out
+    assert "ratios localllm / llama-server by round: agent_wall_s 1.05 1.05;" in out
+
+
+def test_table_tuned(capsys: pytest.CaptureFixture[str]) -> None:
+    wl.print_table(fixed_report(tuned=True))
+    out = capsys.readouterr().out
+    assert "llama-server tuned" in out and "ratio vs tuned" in out
+    assert "2.00× ✓" in out  # decode vs tuned, with its own mark
+    assert "5/8 equal to llama-server, 5/8 equal to llama-server tuned" in out
+    assert "ratios localllm / llama-server tuned by round:" in out
+
+
+def test_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    import localllm.cli.bench as cli_bench
+
+    def refuse(*args: str) -> None:
+        res = CliRunner().invoke(cli, ["bench", "m:1", *args])
+        assert res.exit_code == 2 and "Error: '--" in res.output, res.output
+
+    refuse("--workloads")
+    refuse("--workloads", "--http")
+    refuse("--http", "--vs-llama-server", "/x", "--tuned")
+    seen: dict[str, object] = {}
+
+    def fake_run(model: str, binary: Path, **kw: object) -> wl.Report:
+        seen.update(kw, model=model, binary=binary)
+        return fixed_report(tuned=bool(kw["tuned"]))
+
+    monkeypatch.setattr(cli_bench, "resolve_model", lambda m: (Path("/store/model.gguf"), None))
+    monkeypatch.setattr(wl, "run", fake_run)
+    res = CliRunner().invoke(cli, ["bench", "m:1", "--http", "--vs-llama-server", "/x/ls", "--workloads", "--tuned",
+                                   "--rounds", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert seen == {"model": "m:1", "binary": Path("/x/ls"), "threads": 2, "ctx": 16384, "slots": 4, "rounds": 1,
+                    "repack": False, "tuned": True, "log": seen["log"]}
+    got = json.loads(res.stdout)
+    assert got["settings"]["tuned"] is True and got["values"]["localllm"]["code_decode_tps"] == 80.0
