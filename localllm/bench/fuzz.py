@@ -104,6 +104,8 @@ class _Fuzzer(Traffic):
             kw.setdefault("state_cache_bytes", self.kv_bytes_per_token() * self.rng.randint(self.window,
                                                                                                4 * self.window))
         kw.setdefault("min_park_tokens", self.rng.choice([8, 16, 64]))
+        if self.rng.random() < 0.5:  # a sliding-window model's SWA layers at the window's size: checkpoints
+            kw.setdefault("swa_full", False)
         if self.rng.random() < 0.5:  # small histories too, so the tiny models' episodes reach the disk
             kw.setdefault("disk_cache", (self._disk_dir.name, 64 << 20, 16))
         if self.spec is not None:
@@ -237,7 +239,8 @@ class _Fuzzer(Traffic):
             self.log(f"episode {rep.episodes + 1}: slots {kw['slots']}, n_ctx {kw['n_ctx']}, state cache "
                      f"{kw.get('state_cache_bytes', 'default')}, min_park {kw['min_park_tokens']}, drafting "
                      f"{'lookup' if spec and spec.lookup else ''}{'+' if spec and spec.lookup and spec.draft_model else ''}"
-                     f"{'draft' if spec and spec.draft_model else ''}{'none' if not spec else ''}")
+                     f"{'draft' if spec and spec.draft_model else ''}{'none' if not spec else ''}"
+                     f"{', disk tier' if kw.get('disk_cache') else ''}{', SWA window' if kw.get('swa_full') is False else ''}")
             self.system = self.tok("<start_of_turn>user\nYou are a careful assistant. ") + self.text_tokens(
                 self.rng.choice([self.window // 2, self.long_len()]), bos=False)
             self.editor = self.tok("# notes\n") + self.text_tokens(self.rng.randint(8, self.window), bos=False)
@@ -262,7 +265,7 @@ class _Fuzzer(Traffic):
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
             for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
-                      "kv_full", "steps"):
+                      "checkpoints", "checkpoint_restores", "kv_full", "steps"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0

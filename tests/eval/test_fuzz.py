@@ -115,6 +115,17 @@ def test_fuzz_tiny_swa_model(swa_path: Path) -> None:
         assert c[k] > 0, (k, c)
 
 
+def test_fuzz_tiny_swa_model_at_the_windows_memory(swa_path: Path) -> None:
+    """SWA layers at the window's size: checkpoints taken, parked through the scratch sequence and restored,
+    beside BOS-only reuse (a parking's scratch restore once took the cell a reused BOS needed: 1 mismatch in 6
+    seeds of this fuzz before the fix, none in 12 after)."""
+    rep = fuzz(swa_path, seconds=40, episodes=2, seed=13, slots=4, n_ctx=512, threads=2, tol=TIGHT,
+               drafting=False, engine_kwargs={"swa_full": False})
+    assert rep.mismatches == 0, rep.details
+    assert rep.errors == 0, rep.details
+    assert rep.counters["checkpoints"] > 0 and rep.counters["parked"] > 0
+
+
 def test_fuzz_catches_a_broken_engine(swa_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences cut back (prefix reuse, rejected drafts) also lose the KV of their BOS: must be caught."""
     real = Context.seq_rm

@@ -82,3 +82,15 @@ def test_a_checkpoint_reaches_the_disk_tier_and_serves_after_a_restart(swa_path:
     assert r.timings.cache_tier == "disk" and r.usage.cached_tokens == len(doc) + len(Q1) - 4 - 32
     assert r.tokens == _fresh(swa_path, q2, 8)
 
+
+
+def test_parking_checkpoints_do_not_take_the_cells_a_reused_bos_needs(swa_path: Path) -> None:
+    """A 4-token prompt reuses only the BOS of a slot whose history nearly fills the window-sized SWA cache
+    (256 cells): parking that history writes its checkpoint through the scratch sequence, whose restore takes
+    masked cells, the BOS among them; the reuse is checked again after parking (the prompt starts over)."""
+    first = _prompt(6, 200)
+    probe = [1, 57, 91, 203]
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:
+        e.generate(Request(first, GREEDY, max_tokens=50, ignore_eos=True))
+        got = e.generate(Request(probe, GREEDY, max_tokens=8, ignore_eos=True))
+    assert got.tokens == _fresh(swa_path, probe, 8)

@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import struct
+import sys
 import threading
 import zlib
 from array import array
@@ -52,6 +53,16 @@ def _alive(pid: int) -> bool:
 
 def _name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:40] + ".state"
+
+
+def _yield_cpu() -> None:
+    """Run this thread at the lowest CPU priority (Linux sets it per thread): its CRC and copies of ~10 MB states
+    would otherwise take a core from llama.cpp's threads while requests run (measured: 8 chats revisited on 4
+    slots of gemma-3-270m with 2 threads, TTFT p50 173 ms with the writer at normal priority, 112 ms without a
+    disk tier)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class DiskStates:
@@ -180,6 +191,7 @@ class DiskStates:
             self._remove(key)
 
     def _write_loop(self) -> None:
+        _yield_cpu()
         while (item := self._todo.get()) is not None:
             try:
                 self._write(*item)

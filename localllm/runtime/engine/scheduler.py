@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "Stream"]
 
+_CHECKPOINT_NEAR = 64  # a window-sized cache's middle checkpoint: this many tokens before the last one
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
@@ -401,10 +402,15 @@ class Engine(ThreadSubmit):
                     self._parked.refused(tier, key)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap, spans)
         else:
-            self._parked.park(dst, keep=n)
+            if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
+                self._parked.park(dst, keep=n)
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
         self._parked.clear_idle(self.slots, dst)
+        if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
+            # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
+            # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
+            n = 0
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
@@ -417,8 +423,10 @@ class Engine(ThreadSubmit):
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
-        if self._window:  # a batch ends where each checkpoint is taken
-            job.ends = sorted({*job.ends, *(c for c in self._checkpoint_cuts(job) if c > n)})
+        if self._window:  # a batch ends where each checkpoint is taken, unless that made one under 64 rows
+            for c in self._checkpoint_cuts(job):
+                if c > n and (c in job.ends or c - max([n, *(e for e in job.ends if e < c)]) >= 64):
+                    job.ends = sorted({*job.ends, c})
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -460,9 +468,11 @@ class Engine(ThreadSubmit):
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         """Where a window-sized sliding-window cache saves checkpoints of a prompt, as llama-server: CHECKPOINT_TAIL
         tokens before its end (the same prompt again — a regenerated or trimmed reply — still has tokens to
-        decode after it) and a ubatch before that (a new question after the same long document)."""
+        decode after it), 64 and a ubatch before that (a new question after the same long document). A prefill
+        batch ends at each: of at least 64 tokens but the last 4, so the logits stay those of llama-server's cuts
+        (CPU attention runs batches of 64 rows and more through one kernel, prefill_split.py)."""
         tail = len(job.prompt) - CHECKPOINT_TAIL
-        return tuple(c for c in (tail - self._cut_ubatch, tail) if c >= 64)
+        return tuple(c for c in sorted({tail - self._cut_ubatch, tail - _CHECKPOINT_NEAR, tail}) if c >= 64)
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""
