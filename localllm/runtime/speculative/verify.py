@@ -132,6 +132,8 @@ class SpecState:
                  cfg.draft_min if req.draft_min is None else req.draft_min,
                  cfg.p_min if req.draft_p_min is None else req.draft_p_min, cfg.adaptive)
         st.solo = cfg.optional and req.draft_max is None
+        if st.solo:  # drafting nobody asked for starts doubtful (2:1): a stream that does not repeat stops soon
+            st.acc = 2.0
         bad = SpecConfig(draft_max=st.n_max, draft_min=st.n_min, p_min=st.p_min).problems()
         if bad:
             raise InvalidInput("; ".join(bad))
