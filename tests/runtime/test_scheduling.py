@@ -162,3 +162,25 @@ def test_a_chat_spares_the_editors_slot(tiny_path: Path) -> None:
         again = e.generate(Request(code + first.tokens + e.tokenize(" model", add_special=False), greedy,
                                    max_tokens=2, editor=True))
         assert again.timings.cache_tier == "slot" and again.usage.cached_tokens >= len(code)
+
+
+def test_an_idle_engine_parks_histories_ahead_of_the_next_request(tiny_path: Path) -> None:
+    """Idle for a moment, the engine saves idle histories (RAM tier) but keeps their cells: the same chat still
+    continues in place, and a later request taking the slot does not park it again (that copy is off its TTFT)."""
+    import time
+
+    greedy = GenerationParams(temperature=0)
+    a = list(range(1, 120))
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=16) as e:
+        e.generate(Request(a, greedy, max_tokens=4, ignore_eos=True))
+        time.sleep(0.8)
+        st = e.stats()
+        assert st["parked"] == 1 and st["slots"][0]["n_tokens"] > 0  # saved, still in the KV cache
+        again = e.generate(Request([*a, 7, 8], greedy, max_tokens=2, ignore_eos=True))
+        assert again.timings.cache_tier == "slot" and again.usage.cached_tokens >= len(a)
+        time.sleep(0.8)
+        assert e.stats()["parked"] == 2  # the longer history, saved again while idle
+        e.generate(Request(list(range(200, 300)), greedy, max_tokens=2, ignore_eos=True))
+        assert e.stats()["parked"] == 2  # taking the slot did not copy the history once more
+        back = e.generate(Request([*a, 7, 8, 9], greedy, max_tokens=2, ignore_eos=True))
+        assert back.timings.cache_tier == "ram"

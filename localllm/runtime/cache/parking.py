@@ -59,6 +59,8 @@ class Parking:
         and on disk (written in the background). True when RAM took it."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
+        if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
+            return slot.parked_ram
         try:
             blob = self.ctx.state_seq_get(slot.id)
         except LocalLLMError:
@@ -119,6 +121,12 @@ class Parking:
             return None
         finally:
             self.ctx.seq_rm(self.scratch)
+
+    def ahead(self, slots: list[Slot]) -> Slot | None:
+        """The idle history to park next while the engine has nothing to do (most recently used first), if any."""
+        todo = [s for s in slots if s.job is None and s.parked_at != len(s.tokens)
+                and len(s.tokens) >= self.min_tokens] if self.enabled else []
+        return max(todo, key=lambda s: s.last_used, default=None)
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "Stream"]
 
+# idle this long, the engine parks idle histories (RAM, disk, checkpoints) ahead of need, so the next request
+# that takes their slot does not wait for it; back-to-back requests (an agent's turns) come sooner than this
+_PARK_AHEAD_S = 0.25
 _CHECKPOINT_NEAR = 64  # a window-sized cache's middle checkpoint: this many tokens before the last one
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
@@ -303,8 +306,18 @@ class Engine(ThreadSubmit):
     def _loop(self) -> None:
         while not self._stop:
             busy = bool(self._waiting) or any(s.job for s in self.slots)
+            ahead = None if busy else self._parked.ahead(self.slots)
             try:
-                item = self._inbox.get() if not busy else self._inbox.get_nowait()
+                if busy:
+                    item = self._inbox.get_nowait()
+                elif ahead is None:
+                    item = self._inbox.get()
+                else:
+                    try:
+                        item = self._inbox.get(timeout=_PARK_AHEAD_S)
+                    except queue.Empty:
+                        self._park_ahead(ahead)
+                        continue
                 while True:
                     if isinstance(item, Job):
                         self._waiting.append(item)
@@ -334,6 +347,11 @@ class Engine(ThreadSubmit):
             pass
         while self._waiting:
             self._end_waiting(self._waiting.popleft(), "cancelled", EngineError("the engine was closed"))
+
+    def _park_ahead(self, s: Slot) -> None:
+        """Save an idle slot's history (its cells stay: the same chat continues in place) while nothing runs."""
+        s.parked_ram = self._parked.park(s, keep=0)
+        s.parked_at = len(s.tokens)
 
     def _step(self) -> None:
         now = time.perf_counter()
@@ -419,7 +437,7 @@ class Engine(ThreadSubmit):
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
-        dst.prompt_len, dst.editor = len(prompt), editor
+        dst.prompt_len, dst.editor, dst.parked_at = len(prompt), editor, -1
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
@@ -599,6 +617,8 @@ class Engine(ThreadSubmit):
             job = s.job
             try:
                 out = verify(lambda r, job=job: job.sample(self.ctx, r), slot_rows, drafts)
+                if job.spec is not None:
+                    job.spec.guessed(out[0])
                 if drafts:
                     settle_drafts(self.ctx, s, n0, drafts, len(out) - 1, self._counters)
                     c["draft_steps"] += 1

@@ -167,16 +167,20 @@ class Slot:
     editor: bool = False  # the request it last served was an editor's (Request.editor)
     prompt_len: int = 0  # the prompt of the request it last served (tokens[:prompt_len]): a checkpoint's cut
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
+    parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
+    parked_ram: bool = False  # ... and whether the RAM tier took it then
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
         del self.tokens[n:]
         self.checkpoints = [c for c in self.checkpoints if c.n <= n]
+        self.parked_at = -1
 
     def reset(self, tokens: list[int] | None = None) -> None:
         """A new history (the KV cache holds `tokens` for this sequence now, or nothing)."""
         self.tokens = tokens if tokens is not None else []
         self.checkpoints = []
+        self.parked_at = -1
 
     def checkpoint(self, n: int, blob: bytes) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.n != n][-(CHECKPOINTS_PER_SLOT - 1):]

@@ -28,8 +28,13 @@ def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int
             tasks.append(DraftTask(s.id, s.tokens + job.next_tokens, n, job.spec.p_min))
             rows += n
             gain += job.spec.expected(n) - 1.0
-    if tasks:
-        drafter.draft(tasks)
+    guesses = [DraftTask(s.id, s.tokens + s.job.next_tokens, 1) for s in gen
+               if len(gen) == 1 and s.job.spec is not None and s.job.spec.solo and drafter.ms_per_token == 0.0
+               and not tasks]
+    if tasks or guesses:
+        drafter.draft(tasks + guesses)
+    for t in guesses:  # free (lookup): the next sampled token tells whether this stream repeats
+        slots[t.slot].job.spec.guess = t.tokens[0] if t.tokens else None
     for t in tasks:
         job = slots[t.slot].job
         job.drafts = t.tokens[:t.n_max] if len(t.tokens) >= max(1, job.spec.n_min) else []

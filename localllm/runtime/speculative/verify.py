@@ -124,6 +124,9 @@ class SpecState:
     # cost a fifth to a quarter of the aggregate throughput, with either prior; one stream's step has rows
     # to spare (bench --spec: 1.3-1.9x on a single stream).
     solo: bool = False
+    # the drafter's free guess of the next token on a step that does not draft (lookup costs no decode): its
+    # hits and misses train `alpha`, so uninvited drafting starts only once the stream is seen repeating
+    guess: int | None = None
 
     @classmethod
     def for_request(cls, cfg: SpecConfig, req: Request) -> SpecState | None:
@@ -132,8 +135,8 @@ class SpecState:
                  cfg.draft_min if req.draft_min is None else req.draft_min,
                  cfg.p_min if req.draft_p_min is None else req.draft_p_min, cfg.adaptive)
         st.solo = cfg.optional and req.draft_max is None
-        if st.solo:  # drafting nobody asked for starts doubtful (2:1): a stream that does not repeat stops soon
-            st.acc = 2.0
+        if st.solo:  # drafting nobody asked for starts doubtful (1:3): free guesses show whether the stream repeats
+            st.acc, st.miss = 0.5, 1.5
         bad = SpecConfig(draft_max=st.n_max, draft_min=st.n_min, p_min=st.p_min).problems()
         if bad:
             raise InvalidInput("; ".join(bad))
@@ -147,6 +150,13 @@ class SpecState:
         """Tokens one verified step yields with k drafts: 1 + α + α² + … + α^k."""
         a = self.alpha
         return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def guessed(self, token: int) -> None:
+        """The token the step sampled, against the drafter's guess for it (if it made one)."""
+        if self.guess is not None:
+            self.acc = 0.95 * self.acc + (token == self.guess)
+            self.miss = 0.95 * self.miss + (token != self.guess)
+            self.guess = None
 
     def update(self, n_draft: int, n_acc: int) -> None:
         if n_draft <= 0:
