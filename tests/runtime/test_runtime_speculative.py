@@ -266,3 +266,25 @@ def test_default_lookup_drafts_only_for_a_lone_stream(tiny_path: Path) -> None:
     assert alone.tokens == beside.tokens
     with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0) as plain:
         assert plain.generate(Request(rep, g, max_tokens=40, ignore_eos=True)).tokens == alone.tokens
+
+
+def test_uninvited_drafting_waits_for_guesses_to_show_repetition() -> None:
+    """Lookup drafting nobody asked for (SpecConfig.optional) starts doubtful; the drafter's free guesses of the
+    next token, checked against what was sampled, raise or lower the estimate before any draft is verified."""
+    from localllm.runtime.speculative.verify import SpecState
+
+    cfg = SpecConfig(lookup=True, optional=True)
+    st = SpecState.for_request(cfg, Request("x", GenerationParams(temperature=0)))
+    assert st is not None and st.solo and st.alpha < 0.3
+    asked = SpecState.for_request(SpecConfig(lookup=True), Request("x", GenerationParams(temperature=0)))
+    assert asked is not None and asked.alpha > 0.8  # asked for: starts by trying
+    for _ in range(5):
+        st.guess = 42
+        st.guessed(42)
+    assert st.alpha > 0.75 and st.guess is None
+    for _ in range(10):
+        st.guess = 7
+        st.guessed(8)
+    assert st.alpha < 0.5
+    st.guessed(9)  # no guess made this step: nothing learned
+    assert st.alpha < 0.5
