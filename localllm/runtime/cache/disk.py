@@ -57,9 +57,8 @@ def _name(tokens: Sequence[int]) -> str:
 
 def _yield_cpu() -> None:
     """Run this thread at the lowest CPU priority (Linux sets it per thread): its CRC and copies of ~10 MB states
-    would otherwise take a core from llama.cpp's threads while requests run (measured: 8 chats revisited on 4
-    slots of gemma-3-270m with 2 threads, TTFT p50 173 ms with the writer at normal priority, 112 ms without a
-    disk tier)."""
+    compete with llama.cpp's threads while requests run (8 chats revisited on 4 slots of gemma-3-270m, 2 threads:
+    TTFT p50 173 ms with the disk tier, 112 ms without; at the lowest priority 131-167 ms)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -128,6 +128,12 @@ class Parking:
                 and len(s.tokens) >= self.min_tokens] if self.enabled else []
         return max(todo, key=lambda s: s.last_used, default=None)
 
+    def park_ahead(self, slot: Slot) -> None:
+        """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
+        `park` then answers for it until the history changes."""
+        slot.parked_ram = self.park(slot, keep=0)
+        slot.parked_at = len(slot.tokens)
+
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
         cache_idle_slots does): in a unified cache attention runs over every cell in use, so idle

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["CHECKPOINT_TAIL", "SERVER_N_BATCH", "next_end", "prefill_ends"]
+__all__ = ["CHECKPOINT_TAIL", "SERVER_N_BATCH", "checkpoint_cuts", "next_end", "prefill_ends", "with_cuts"]
 
 SERVER_N_BATCH = 2048  # llama-server's default -b/--batch-size
 CHECKPOINT_TAIL = 4  # tokens llama-server decodes last on their own (its checkpoint offsets: 4 + n_ubatch, 4)
+CHECKPOINT_NEAR = 64  # a window-sized cache's middle checkpoint: this many tokens before the last one
+SMALL_BATCH = 64  # CPU attention runs batches of fewer rows through another kernel
 
 
 def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BATCH) -> list[int]:
@@ -45,6 +47,24 @@ def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BA
         pos = min([end, first + n_batch] + [end - t for t in tails if end - t > first])
         ends += range(first + n_ubatch, pos, n_ubatch)  # llama_decode's ubatches
         ends.append(pos)
+    return ends
+
+
+def checkpoint_cuts(n_prompt: int, n_ubatch: int) -> tuple[int, ...]:
+    """Where a window-sized sliding-window cache saves checkpoints of a prompt, as llama-server:
+    CHECKPOINT_TAIL tokens before its end (the same prompt again — a regenerated or trimmed reply — still
+    has tokens to decode after it), and 64 and a ubatch before that (a new question after the same
+    long document)."""
+    tail = n_prompt - CHECKPOINT_TAIL
+    return tuple(c for c in sorted({tail - n_ubatch, tail - CHECKPOINT_NEAR, tail}) if c >= SMALL_BATCH)
+
+
+def with_cuts(ends: list[int], start: int, cuts: tuple[int, ...]) -> list[int]:
+    """`ends` with a batch also ending at each cut after `start`, unless that made a batch under SMALL_BATCH
+    rows (whose logits would differ from llama-server's cuts)."""
+    for c in cuts:
+        if c > start and (c in ends or c - max([start, *(e for e in ends if e < c)]) >= SMALL_BATCH):
+            ends = sorted({*ends, c})
     return ends
 
 

@@ -27,7 +27,13 @@ from localllm.runtime.cache.parking import Parking, open_disk_tier
 from localllm.runtime.cache.prefix import common_prefix, kv_holds, worth_reusing
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
-from localllm.runtime.engine.prefill_split import CHECKPOINT_TAIL, next_end, prefill_ends
+from localllm.runtime.engine.prefill_split import (
+    CHECKPOINT_TAIL,
+    checkpoint_cuts,
+    next_end,
+    prefill_ends,
+    with_cuts,
+)
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.engine.stream import Stream
@@ -45,7 +51,6 @@ __all__ = ["Engine", "Stream"]
 # idle this long, the engine parks idle histories (RAM, disk, checkpoints) ahead of need, so the next request
 # that takes their slot does not wait for it; back-to-back requests (an agent's turns) come sooner than this
 _PARK_AHEAD_S = 0.25
-_CHECKPOINT_NEAR = 64  # a window-sized cache's middle checkpoint: this many tokens before the last one
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
@@ -82,8 +87,8 @@ class Engine(ThreadSubmit):
         # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
         scratch = slots if self.model.n_swa > 0 and parks else None
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch, n_ubatch=n_ubatch,
-                           n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch,
+                           n_ubatch=n_ubatch, n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full)
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
         self.n_ctx = min(self.ctx.n_ctx_seq, ctx_per_slot) if ctx_per_slot else self.ctx.n_ctx_seq
@@ -316,7 +321,7 @@ class Engine(ThreadSubmit):
                     try:
                         item = self._inbox.get(timeout=_PARK_AHEAD_S)
                     except queue.Empty:
-                        self._park_ahead(ahead)
+                        self._parked.park_ahead(ahead)
                         continue
                 while True:
                     if isinstance(item, Job):
@@ -347,11 +352,6 @@ class Engine(ThreadSubmit):
             pass
         while self._waiting:
             self._end_waiting(self._waiting.popleft(), "cancelled", EngineError("the engine was closed"))
-
-    def _park_ahead(self, s: Slot) -> None:
-        """Save an idle slot's history (its cells stay: the same chat continues in place) while nothing runs."""
-        s.parked_ram = self._parked.park(s, keep=0)
-        s.parked_at = len(s.tokens)
 
     def _step(self) -> None:
         now = time.perf_counter()
@@ -441,10 +441,8 @@ class Engine(ThreadSubmit):
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
-        if self._window:  # a batch ends where each checkpoint is taken, unless that made one under 64 rows
-            for c in self._checkpoint_cuts(job):
-                if c > n and (c in job.ends or c - max([n, *(e for e in job.ends if e < c)]) >= 64):
-                    job.ends = sorted({*job.ends, c})
+        if self._window:  # a batch ends where each checkpoint is taken
+            job.ends = with_cuts(job.ends, n, checkpoint_cuts(len(prompt), self._cut_ubatch))
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -472,25 +470,16 @@ class Engine(ThreadSubmit):
         """Put back the SWA layers of slot s as they were after its first n tokens (the caller then drops the
         rest); 0 when llama.cpp refuses the checkpoint (the slot starts over)."""
         c = s.best_checkpoint(n)
-        try:
-            if c is None or c.n != n:
-                raise EngineError(f"no checkpoint at {n} tokens")
-            self.ctx.state_seq_set(s.id, c.blob, partial=True)
-        except EngineError:
-            self.ctx.seq_rm(s.id)
-            s.reset()
-            return 0
-        self._counters["checkpoint_restores"] += 1
-        return n
-
-    def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
-        """Where a window-sized sliding-window cache saves checkpoints of a prompt, as llama-server: CHECKPOINT_TAIL
-        tokens before its end (the same prompt again — a regenerated or trimmed reply — still has tokens to
-        decode after it), 64 and a ubatch before that (a new question after the same long document). A prefill
-        batch ends at each: of at least 64 tokens but the last 4, so the logits stay those of llama-server's cuts
-        (CPU attention runs batches of 64 rows and more through one kernel, prefill_split.py)."""
-        tail = len(job.prompt) - CHECKPOINT_TAIL
-        return tuple(c for c in sorted({tail - self._cut_ubatch, tail - _CHECKPOINT_NEAR, tail}) if c >= 64)
+        if c is not None and c.n == n:
+            try:
+                self.ctx.state_seq_set(s.id, c.blob, partial=True)
+                self._counters["checkpoint_restores"] += 1
+                return n
+            except EngineError:
+                pass
+        self.ctx.seq_rm(s.id)
+        s.reset()
+        return 0
 
     def _make_room(self, s: Slot) -> None:
         """Before a generating slot outgrows the context: stop (error policy) or shift."""
@@ -630,7 +619,7 @@ class Engine(ThreadSubmit):
                 self._fail(s, exc)
         if self._window:
             for s, _ in prefilled:
-                if s.job is not None and len(s.tokens) in self._checkpoint_cuts(s.job):
+                if s.job is not None and len(s.tokens) in checkpoint_cuts(len(s.job.prompt), self._cut_ubatch):
                     self._take_checkpoint(s)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)

@@ -28,9 +28,10 @@ def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int
             tasks.append(DraftTask(s.id, s.tokens + job.next_tokens, n, job.spec.p_min))
             rows += n
             gain += job.spec.expected(n) - 1.0
-    guesses = [DraftTask(s.id, s.tokens + s.job.next_tokens, 1) for s in gen
-               if len(gen) == 1 and s.job.spec is not None and s.job.spec.solo and drafter.ms_per_token == 0.0
-               and not tasks]
+    # a lone uninvited stream that does not draft this step: lookup's free guess of its next token
+    lone = gen[0].job if len(gen) == 1 and not tasks and drafter.ms_per_token == 0.0 else None
+    guesses = ([DraftTask(gen[0].id, gen[0].tokens + lone.next_tokens, 1)]
+               if lone is not None and lone.spec is not None and lone.spec.solo else [])
     if tasks or guesses:
         drafter.draft(tasks + guesses)
     for t in guesses:  # free (lookup): the next sampled token tells whether this stream repeats

@@ -154,8 +154,7 @@ class SpecState:
     def guessed(self, token: int) -> None:
         """The token the step sampled, against the drafter's guess for it (if it made one)."""
         if self.guess is not None:
-            self.acc = 0.95 * self.acc + (token == self.guess)
-            self.miss = 0.95 * self.miss + (token != self.guess)
+            self._learn(int(token == self.guess), token != self.guess)
             self.guess = None
 
     def update(self, n_draft: int, n_acc: int) -> None:
@@ -163,8 +162,11 @@ class SpecState:
             return
         self.drafted += n_draft
         self.accepted += n_acc
+        self._learn(n_acc, n_acc < n_draft)
+
+    def _learn(self, n_acc: int, missed: bool) -> None:
         self.acc = 0.95 * self.acc + n_acc  # decayed: a request that stops quoting stops drafting soon
-        self.miss = 0.95 * self.miss + (n_acc < n_draft)
+        self.miss = 0.95 * self.miss + missed
 
 
 class StepCost:
