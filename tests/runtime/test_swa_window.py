@@ -8,9 +8,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.types import GenerationParams, Request
 from tests.tinymodel import make_tiny_gemma3_gguf
 
@@ -94,3 +96,48 @@ def test_parking_checkpoints_do_not_take_the_cells_a_reused_bos_needs(swa_path: 
         e.generate(Request(first, GREEDY, max_tokens=50, ignore_eos=True))
         got = e.generate(Request(probe, GREEDY, max_tokens=8, ignore_eos=True))
     assert got.tokens == _fresh(swa_path, probe, 8)
+
+
+def _decode(ctx: Context, batch: Batch, seq: int, pos: int, tokens: list[int]) -> np.ndarray:
+    """Decode tokens at pos.. of seq in batches of the context's n_batch; the last row's logits."""
+    for i in range(0, len(tokens), ctx.n_batch):
+        chunk = tokens[i:i + ctx.n_batch]
+        batch.clear()
+        for j, t in enumerate(chunk):
+            batch.add(t, pos + i + j, seq, j == len(chunk) - 1)
+        ctx.decode(batch)
+    return ctx.logits_row(len(chunk) - 1).copy()
+
+
+def test_a_window_sized_swa_cache_decodes_one_ubatch_at_a_time(swa_path: Path) -> None:
+    """llama.cpp places all ubatches of a batch before computing the first, purging the positions each one
+    overwrites, and rolls back only the cells it placed: under pressure a later ubatch took cells an earlier
+    one still attended to (logits off by 25 here, wrong greedy tokens in the fuzzer). With the window's size
+    the context's n_batch is its n_ubatch; every sequence's logits then match a fresh context's."""
+    model = Model(swa_path, cpu_kernels="none")
+    ctx = Context(model, n_ctx=512, n_seq_max=4, n_batch=64, n_ubatch=32, n_threads=2, swa_full=False)
+    assert ctx.n_batch == 32
+    batch = Batch(64, 4)
+    rng = random.Random(6)  # 4 sequences under pressure on the 256-cell SWA cache: this seed hit the fault
+    hist: list[list[int]] = [[] for _ in range(4)]
+    checked = 0
+    for _ in range(60):
+        k = rng.randrange(4)
+        if hist[k] and rng.random() < 0.15:
+            ctx.seq_rm(k)
+            hist[k] = []
+            continue
+        toks = [rng.randrange(10, 500) for _ in range(rng.choice([1, 8, 33, 40, 64]))]
+        try:
+            got = _decode(ctx, batch, k, len(hist[k]), toks)
+        except NoKVSlot:
+            ctx.seq_rm(k, len(hist[k]), -1)
+            continue
+        hist[k] += toks
+        if len(hist[k]) > 100:  # past the window and more than one ubatch: the cases the fault hit
+            fresh = Context(model, n_ctx=512, n_batch=32, n_threads=2)
+            want = _decode(fresh, Batch(32, 1), 0, 0, hist[k])
+            fresh.close()
+            assert float(np.abs(got - want).max()) < 1.0, (k, len(hist[k]))
+            checked += 1
+    assert checked >= 10

@@ -83,7 +83,8 @@ class Engine(ThreadSubmit):
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
         self._embedder: Any = None  # runtime/native/embed.py Embedder, made by the first embed()
         self._embed_lock = threading.Lock()
-        n_batch = max(n_batch, slots)
+        n_batch = max(n_batch, slots)  # a row for every generating slot
+        n_ubatch = max(n_ubatch, slots) if n_ubatch else None
         # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
         scratch = slots if self.model.n_swa > 0 and parks else None
@@ -92,7 +93,7 @@ class Engine(ThreadSubmit):
                            swa_full=swa_full)
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
         self.n_ctx = min(self.ctx.n_ctx_seq, ctx_per_slot) if ctx_per_slot else self.ctx.n_ctx_seq
-        self.n_batch = n_batch
+        n_batch = self.n_batch = self.ctx.n_batch  # at most n_ubatch with SWA layers at the window's size
         self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
