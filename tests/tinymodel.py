@@ -247,3 +247,73 @@ def write_tiny_llama(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_layer:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def make_tiny_mamba_gguf(path: str | Path, *, hybrid: bool = False, n_layer: int = 4, n_vocab: int = 512,
+                         n_embd: int = 64, d_state: int = 16, d_conv: int = 4, n_head: int = 4,
+                         n_ctx_train: int = 4096, seed: int = 0) -> Path:
+    """Write a random-weight recurrent GGUF (F32) and return the path: `mamba` (every layer a Mamba block:
+    its memory is one state per sequence, which llama.cpp cannot roll back), or with hybrid=True `jamba`
+    (Mamba blocks with an attention layer every other layer: a KV cache beside the recurrent state).
+    Output rows of control and unused tokens are zero, as in make_tiny_gguf."""
+    import gguf
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    d_inner, dt_rank = 2 * n_embd, max(1, n_embd // 16)
+    attn = [hybrid and i % 2 == 1 for i in range(n_layer)]
+    n_ff = 2 * n_embd
+
+    w = gguf.GGUFWriter(str(path), "jamba" if hybrid else "mamba")
+    w.add_name("tiny-jamba" if hybrid else "tiny-mamba")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff if hybrid else 0)
+    w.add_head_count(n_head if hybrid else 0)
+    w.add_head_count_kv([n_head if a else 0 for a in attn] if hybrid else 0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    types = _write_vocab(w, n_vocab, True)
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def ones(*shape: int) -> np.ndarray:
+        return np.ones(shape, dtype=np.float32)
+
+    s = 1.0 / np.sqrt(n_embd)
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, 1.0))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones(n_embd))
+        if attn[i]:
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                w.add_tensor(f"blk.{i}.{name}.weight", mat(n_embd, n_embd, s))
+        else:
+            w.add_tensor(f"blk.{i}.ssm_in.weight", mat(2 * d_inner, n_embd, s))
+            w.add_tensor(f"blk.{i}.ssm_conv1d.weight", mat(d_inner, d_conv, 0.5))
+            w.add_tensor(f"blk.{i}.ssm_conv1d.bias", np.zeros(d_inner, dtype=np.float32))
+            w.add_tensor(f"blk.{i}.ssm_x.weight", mat(dt_rank + 2 * d_state, d_inner, 1.0 / np.sqrt(d_inner)))
+            w.add_tensor(f"blk.{i}.ssm_dt.weight", mat(d_inner, dt_rank, 1.0))
+            w.add_tensor(f"blk.{i}.ssm_dt.bias", np.full(d_inner, -2.0, dtype=np.float32))
+            # A = -exp(A_log) as the converters store it: decays between ~0.4 and ~0.99 a step
+            w.add_tensor(f"blk.{i}.ssm_a", -np.exp(rng.uniform(-1.0, 1.0, (d_inner, d_state))).astype(np.float32))
+            w.add_tensor(f"blk.{i}.ssm_d", ones(d_inner))
+            w.add_tensor(f"blk.{i}.ssm_out.weight", mat(n_embd, d_inner, 1.0 / np.sqrt(d_inner)))
+            if hybrid:
+                w.add_tensor(f"blk.{i}.ssm_dt_norm.weight", ones(dt_rank))
+                w.add_tensor(f"blk.{i}.ssm_b_norm.weight", ones(d_state))
+                w.add_tensor(f"blk.{i}.ssm_c_norm.weight", ones(d_state))
+        if hybrid:
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", ones(n_embd))
+            w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd, s))
+            w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, s))
+            w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0 / np.sqrt(n_ff)))
+    w.add_tensor("output_norm.weight", ones(n_embd))
+    _finish(w, mat(n_vocab, n_embd, 1.0), types)
+    return path

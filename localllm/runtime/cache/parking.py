@@ -14,7 +14,7 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.cache.disk import DiskStates
-from localllm.runtime.cache.prefix import StateLRU, kv_holds, worth_reusing
+from localllm.runtime.cache.prefix import RECURRENT, StateLRU, kv_holds, worth_reusing
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.native.llama import Context, bindings_version
 
@@ -46,7 +46,8 @@ class Parking:
         self.min_tokens, self.n_swa = min_tokens, n_swa
         # a sequence id no slot uses: a prefix of a history is copied there (metadata only) to save its state
         self.scratch = scratch
-        self.window = window  # SWA layers at the window's size: prefix states only from the slots' checkpoints
+        # SWA layers at the window's size, or a recurrent state: prefix states only from the slots' checkpoints
+        self.window = window or n_swa == RECURRENT
         self.count = 0  # states parked in RAM so far
         self.checkpoints = 0  # prefix states written to the disk tier
 
@@ -85,24 +86,24 @@ class Parking:
         its reply trimmed or regenerated; in RAM and on disk), and on disk — what a restart finds — cut 32, 128
         and 512 tokens before its end (the same document, a new question). Each is a state copy on the scheduler
         thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk."""
-        if self.scratch is None or self.n_swa <= 0 or not (ram or self.disk is not None):
+        if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
             return
         n = len(slot.tokens)
-        if self.window:  # only where the slot saved its SWA layers (Slot.checkpoints); the latest also in RAM
+        if self.window:  # only where the slot saved its SWA layers or state (Slot.checkpoints); the latest also in RAM
             swa = {c.n: c.blob for c in slot.checkpoints}
             end = max(swa, default=-1)
         else:
             end = min(slot.prompt_len, n)
             swa = dict.fromkeys({end, end - 32, end - 128, end - 512} if self.disk is not None else {end})
         for c in sorted(swa):
-            if not (max(keep, self.min_tokens) <= c < n - 1) or kv_holds(n - self.n_swa, c, self.n_swa):
+            if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
                 continue
             to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c])
             to_ram = ram and c == end
             blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:
                 continue
-            pos_min = max(0, c - self.n_swa)
+            pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
             if to_disk:
                 self.checkpoints += self.disk.put(slot.tokens[:c], blob, pos_min)
             if to_ram:
@@ -110,7 +111,7 @@ class Parking:
 
     def _cut_state(self, slot: Slot, c: int, swa: bytes | None = None) -> bytes | None:
         """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence;
-        `swa`: those SWA layers from a checkpoint, where the cache keeps only the latest window."""
+        `swa`: those SWA layers (or the recurrent state) from a checkpoint, where the memory keeps only the latest."""
         assert self.scratch is not None
         self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
         try:

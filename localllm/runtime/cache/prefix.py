@@ -26,6 +26,10 @@ def worth_reusing(n: int, n_prompt: int) -> bool:
     return n >= 64 or 10 * n > n_prompt
 
 
+RECURRENT = -1
+"""The `n_swa` of a recurrent or hybrid memory (see kv_holds)."""
+
+
 def kv_holds(pos_min: int, n: int, n_swa: int) -> bool:
     """Whether a sequence whose KV memory starts at `pos_min` can continue after its first `n` tokens.
 
@@ -34,11 +38,14 @@ def kv_holds(pos_min: int, n: int, n_swa: int) -> bool:
     saves only the window with a sequence's state. A new token at position n attends to positions
     from n - n_swa + 1 on (llama.cpp's is_masked_swa), so those must still be there; llama-server
     checks the same bound, one position stricter, which would refuse the exact repeat of a parked
-    prompt. Other memories hold what they hold (a recurrent one reports its last position as pos_min);
+    prompt. A recurrent or hybrid memory (n_swa RECURRENT) holds a sequence as of its last position only,
+    which it reports as pos_min: it continues only from there. Other memories hold what they hold;
     pos_min -1: the memory holds nothing of the sequence.
     """
     if n <= 0:
         return True
+    if n_swa == RECURRENT:
+        return pos_min == n - 1
     return 0 <= pos_min <= max(0, n - n_swa + 1) if n_swa > 0 else pos_min >= 0
 
 

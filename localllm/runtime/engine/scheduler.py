@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.cache.parking import Parking, open_disk_tier
-from localllm.runtime.cache.prefix import common_prefix, kv_holds, worth_reusing
+from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, worth_reusing
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
 from localllm.runtime.engine.prefill_split import (
@@ -87,7 +87,7 @@ class Engine(ThreadSubmit):
         n_ubatch = max(n_ubatch, slots) if n_ubatch else None
         # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
-        scratch = slots if self.model.n_swa > 0 and parks else None
+        scratch = slots if (self.model.n_swa > 0 or self.model.recurrent) and parks else None
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch,
                            n_ubatch=n_ubatch, n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full)
@@ -97,11 +97,14 @@ class Engine(ThreadSubmit):
         self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
-        self._n_swa = self.model.n_swa  # > 0: a sliding-window model (reuse must check what the KV holds)
+        # > 0: a sliding-window model, RECURRENT: a recurrent state (reuse must check what the memory holds)
+        self._n_swa = RECURRENT if self.model.recurrent else self.model.n_swa
         self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
         # SWA layers at the window's size (swa_full off, as llama-server by default): a prefix ending more
         # than a window before a sequence's end is reusable only from a checkpoint (Slot.checkpoints)
         self._window = self._n_swa > 0 and not swa_full
+        # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
+        self._checkpointing = self._window or self._n_swa == RECURRENT
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
                                open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch, window=self._window)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
@@ -442,7 +445,7 @@ class Engine(ThreadSubmit):
         job.pending = prompt[n:]
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
-        if self._window:  # a batch ends where each checkpoint is taken
+        if self._checkpointing:  # a batch ends where each checkpoint is taken
             job.ends = with_cuts(job.ends, n, checkpoint_cuts(len(prompt), self._cut_ubatch))
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
@@ -468,8 +471,8 @@ class Engine(ThreadSubmit):
         return c.n if ok else 0  # type: ignore[union-attr]
 
     def _restore_checkpoint(self, s: Slot, n: int) -> int:
-        """Put back the SWA layers of slot s as they were after its first n tokens (the caller then drops the
-        rest); 0 when llama.cpp refuses the checkpoint (the slot starts over)."""
+        """Put back the SWA layers (or the recurrent state) of slot s as they were after its first n tokens (the
+        caller then drops the rest); 0 when llama.cpp refuses the checkpoint (the slot starts over)."""
         c = s.best_checkpoint(n)
         if c is not None and c.n == n:
             try:
@@ -618,7 +621,7 @@ class Engine(ThreadSubmit):
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
-        if self._window:
+        if self._checkpointing:
             for s, _ in prefilled:
                 if s.job is not None and len(s.tokens) in checkpoint_cuts(len(s.job.prompt), self._cut_ubatch):
                     self._take_checkpoint(s)
@@ -627,8 +630,8 @@ class Engine(ThreadSubmit):
 
     def _take_checkpoint(self, s: Slot) -> None:
         """Save the SWA layers of a prompt nearly prefilled (a window's worth of cells, ~8 MB on gemma-3-270m),
-        so that a later prompt sharing it — the same chat with its reply trimmed or regenerated — continues
-        from here after the window has moved on."""
+        or its recurrent state, so that a later prompt sharing it — the same chat with its reply trimmed or
+        regenerated — continues from here after the window (or the state) has moved on."""
         try:
             s.checkpoint(len(s.tokens), self.ctx.state_seq_get(s.id, partial=True))
             self._counters["checkpoints"] += 1

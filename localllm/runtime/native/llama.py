@@ -188,6 +188,9 @@ class Model:
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(self._p)
         self.n_layer: int = lc.llama_model_n_layer(self._p)
         self.n_swa: int = int(lc.llama_model_n_swa(self._p))  # sliding-window size; 0 for full attention
+        # a recurrent state (Mamba, RWKV) or one beside a KV cache (hybrid: Jamba, Granite 4-H, LFM2, Qwen3-Next):
+        # it holds a sequence as of its last token only, so it cannot drop a tail
+        self.recurrent: bool = bool(lc.llama_model_is_recurrent(self._p) or lc.llama_model_is_hybrid(self._p))
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._eog: dict[int, bool] = {}
         self._eog_all: list[int] | None = None  # eog_tokens(), once scanned
