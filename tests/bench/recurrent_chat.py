@@ -52,8 +52,8 @@ def main() -> None:
         first = e.generate(Request(prompt, g, max_tokens=32, ignore_eos=True))
         turns = {
             "next turn (extends the history)": prompt + first.tokens + [rng.randrange(10, 500) for _ in range(40)],
-            "reply regenerated (same prompt)": prompt,
             "reply trimmed by the client": prompt + first.tokens[:10] + [rng.randrange(10, 500) for _ in range(40)],
+            "reply regenerated (same prompt)": prompt,
         }
         for name, p in turns.items():
             r = e.generate(Request(p, g, max_tokens=1, ignore_eos=True))
