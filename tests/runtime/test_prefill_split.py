@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from localllm.eval.reference import Reference
-from localllm.runtime.engine.prefill_split import next_end, prefill_ends
+from localllm.runtime.engine.prefill_split import checkpoint_cuts, next_end, prefill_ends
 from localllm.runtime.engine.probs import log_softmax_top
 from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.engine.slots import Slot
 from localllm.runtime.native.llama import Batch, Context, Model
 from localllm.runtime.types import GenerationParams, Request
 
@@ -103,3 +104,20 @@ def test_a_stray_prefix_is_not_reused(gemma_file: Path) -> None:
         assert got.tokens == want_long
         busy = [s.id for s in e.slots if s.tokens]
         assert len(busy) == 1  # only the last request's history is left in the cache
+
+
+def test_checkpoints_also_at_the_end_of_the_system_prefix() -> None:
+    assert checkpoint_cuts(1000, 512) == (484, 932, 996)
+    assert checkpoint_cuts(1000, 512, n_system=300) == (300, 484, 932, 996)
+    assert checkpoint_cuts(1000, 512, n_system=20) == (484, 932, 996)  # too short to be worth a checkpoint
+    assert checkpoint_cuts(1000, 512, n_system=-1) == (484, 932, 996)  # n_keep -1: the whole prompt is kept
+    assert checkpoint_cuts(200, 32, n_system=199) == (132, 164, 196)  # never past the last one
+
+
+def test_a_slot_keeps_its_earliest_checkpoint_while_the_others_go_oldest_first() -> None:
+    s = Slot(0)
+    for n in (300, 484, 928, 996, 1100, 1200):
+        s.checkpoint(n, b"")
+    assert [c.n for c in s.checkpoints] == [300, 996, 1100, 1200]
+    s.truncate(1000)
+    assert [c.n for c in s.checkpoints] == [300, 996]

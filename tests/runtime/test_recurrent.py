@@ -95,3 +95,13 @@ def test_a_parked_recurrent_chat_keeps_its_checkpoint_in_ram(rec_path: Path) -> 
         r = e.generate(Request(a, GREEDY, max_tokens=8, ignore_eos=True))  # a's reply regenerated
         assert r.timings.cache_tier == "ram" and r.usage.cached_tokens == len(a) - 4
     assert r.tokens == _fresh(rec_path, a, 8)
+
+
+def test_a_new_chat_sharing_the_system_prompt_continues_from_its_checkpoint(rec_path: Path) -> None:
+    system = _prompt(6, 120)
+    chat1, chat2 = system + list(range(30, 60)), system + list(range(60, 90))
+    with Engine(rec_path, **KW, slots=1, state_cache_bytes=0) as e:
+        e.generate(Request(chat1, GREEDY, max_tokens=16, ignore_eos=True, n_keep=len(system)))
+        r = e.generate(Request(chat2, GREEDY, max_tokens=8, ignore_eos=True, n_keep=len(system)))
+    assert r.usage.cached_tokens == len(system)
+    assert r.tokens == _fresh(rec_path, chat2, 8)

@@ -141,3 +141,15 @@ def test_a_window_sized_swa_cache_decodes_one_ubatch_at_a_time(swa_path: Path) -
             assert float(np.abs(got - want).max()) < 1.0, (k, len(hist[k]))
             checked += 1
     assert checked >= 10
+
+
+def test_a_new_chat_sharing_the_system_prompt_continues_from_its_checkpoint(swa_path: Path) -> None:
+    """A checkpoint at the end of the system prefix (Request.n_keep), which another chat shares after the first
+    chat's reply has moved the window past it."""
+    system = _prompt(6, 120)
+    chat1, chat2 = system + list(range(30, 60)), system + list(range(60, 90))
+    with Engine(swa_path, **KW, slots=1, state_cache_bytes=0) as e:
+        e.generate(Request(chat1, GREEDY, max_tokens=GEN, ignore_eos=True, n_keep=len(system)))
+        r = e.generate(Request(chat2, GREEDY, max_tokens=8, ignore_eos=True, n_keep=len(system)))
+    assert r.usage.cached_tokens == len(system) and r.timings.cache_tier == "slot"
+    assert r.tokens == _fresh(swa_path, chat2, 8)

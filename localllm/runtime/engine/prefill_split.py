@@ -50,20 +50,23 @@ def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BA
     return ends
 
 
-def checkpoint_cuts(n_prompt: int, n_ubatch: int) -> tuple[int, ...]:
-    """Where a window-sized sliding-window cache saves checkpoints of a prompt, as llama-server:
-    CHECKPOINT_TAIL tokens before its end (the same prompt again — a regenerated or trimmed reply — still
-    has tokens to decode after it), and 64 and a ubatch before that (a new question after the same
-    long document)."""
+def checkpoint_cuts(n_prompt: int, n_ubatch: int, n_system: int = 0) -> tuple[int, ...]:
+    """Where a window-sized sliding-window cache (or a recurrent state) saves checkpoints of a prompt, as
+    llama-server: CHECKPOINT_TAIL tokens before its end (the same prompt again — a regenerated or trimmed
+    reply — still has tokens to decode after it), and 64 and a ubatch before that (a new question after the
+    same long document); and at the end of its system prefix, n_system tokens (Request.n_keep), which
+    another chat with the same system prompt shares (llama-server: where the last user message starts)."""
     tail = n_prompt - CHECKPOINT_TAIL
-    return tuple(c for c in sorted({tail - n_ubatch, tail - CHECKPOINT_NEAR, tail}) if c >= SMALL_BATCH)
+    return tuple(c for c in sorted({tail - n_ubatch, tail - CHECKPOINT_NEAR, tail, min(n_system, tail)})
+                 if c >= SMALL_BATCH)
 
 
-def with_cuts(ends: list[int], start: int, cuts: tuple[int, ...]) -> list[int]:
+def with_cuts(ends: list[int], start: int, cuts: tuple[int, ...], always: int = 0) -> list[int]:
     """`ends` with a batch also ending at each cut after `start`, unless that made a batch under SMALL_BATCH
-    rows (whose logits would differ from llama-server's cuts)."""
+    rows (whose logits would differ from llama-server's cuts); the cut at `always` (the system prefix's end,
+    which other chats share) whatever the batch."""
     for c in cuts:
-        if c > start and (c in ends or c - max([start, *(e for e in ends if e < c)]) >= SMALL_BATCH):
+        if c > start and (c in ends or c == always or c - max([start, *(e for e in ends if e < c)]) >= SMALL_BATCH):
             ends = sorted({*ends, c})
     return ends
 

@@ -446,7 +446,7 @@ class Engine(ThreadSubmit):
         cut = self._cut_ubatch and job.request.prefill_cuts
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
         if self._checkpointing:  # a batch ends where each checkpoint is taken
-            job.ends = with_cuts(job.ends, n, checkpoint_cuts(len(prompt), self._cut_ubatch))
+            job.ends = with_cuts(job.ends, n, self._checkpoint_cuts(job), always=job.request.n_keep)
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
         job.timings.cached_tokens = n
@@ -623,10 +623,13 @@ class Engine(ThreadSubmit):
                 self._fail(s, exc)
         if self._checkpointing:
             for s, _ in prefilled:
-                if s.job is not None and len(s.tokens) in checkpoint_cuts(len(s.job.prompt), self._cut_ubatch):
+                if s.job is not None and len(s.tokens) in self._checkpoint_cuts(s.job):
                     self._take_checkpoint(s)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+
+    def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
+        return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep)
 
     def _take_checkpoint(self, s: Slot) -> None:
         """Save the SWA layers of a prompt nearly prefilled (a window's worth of cells, ~8 MB on gemma-3-270m),

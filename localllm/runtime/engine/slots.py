@@ -149,8 +149,9 @@ CHECKPOINTS_PER_SLOT = 4  # llama-server keeps up to 8 per slot (--ctx-checkpoin
 @dataclass(frozen=True)
 class Checkpoint:
     """The part of a sequence's state that cannot be rolled back (a sliding-window model's SWA layers, kept at
-    the window's size), saved when the sequence held its first `n` tokens. Restored over the full-attention
-    layers' cells, which stay in place, it lets a prompt that shares only those n tokens continue from there."""
+    the window's size, or a recurrent state), saved when the sequence held its first `n` tokens. Restored over
+    the full-attention layers' cells, which stay in place, it lets a prompt that shares only those n tokens
+    continue from there."""
 
     n: int
     blob: bytes
@@ -183,8 +184,12 @@ class Slot:
         self.parked_at = -1
 
     def checkpoint(self, n: int, blob: bytes) -> None:
-        self.checkpoints = [c for c in self.checkpoints if c.n != n][-(CHECKPOINTS_PER_SLOT - 1):]
-        self.checkpoints.append(Checkpoint(n, blob))
+        """Keep a checkpoint at n (after the others: a prefill moves forward). The earliest stays while the
+        others go oldest first: it serves every prompt sharing that much, as a system prompt other chats share."""
+        kept = [c for c in self.checkpoints if c.n != n]
+        if len(kept) >= CHECKPOINTS_PER_SLOT:
+            kept = kept[:1] + kept[len(kept) - CHECKPOINTS_PER_SLOT + 2:]
+        self.checkpoints = [*kept, Checkpoint(n, blob)]
 
     def best_checkpoint(self, n: int) -> Checkpoint | None:
         """The checkpoint serving the most of a prefix of n tokens shared with the history."""
