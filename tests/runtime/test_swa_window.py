@@ -112,8 +112,10 @@ def _decode(ctx: Context, batch: Batch, seq: int, pos: int, tokens: list[int]) -
 def test_a_window_sized_swa_cache_decodes_one_ubatch_at_a_time(swa_path: Path) -> None:
     """llama.cpp places all ubatches of a batch before computing the first, purging the positions each one
     overwrites, and rolls back only the cells it placed: under pressure a later ubatch took cells an earlier
-    one still attended to (logits off by 25 here, wrong greedy tokens in the fuzzer). With the window's size
-    the context's n_batch is its n_ubatch; every sequence's logits then match a fresh context's."""
+    one still attended to (logits off by 25 here, wrong greedy tokens in the fuzzer, at both swa_full settings).
+    A sliding-window model's context has its n_batch at its n_ubatch; every sequence's logits then match a fresh
+    context's."""
+    assert Context(Model(swa_path, cpu_kernels="none"), n_ctx=512, n_batch=64, n_ubatch=32).n_batch == 32
     model = Model(swa_path, cpu_kernels="none")
     ctx = Context(model, n_ctx=512, n_seq_max=4, n_batch=64, n_ubatch=32, n_threads=2, swa_full=False)
     assert ctx.n_batch == 32

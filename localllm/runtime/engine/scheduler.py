@@ -93,7 +93,7 @@ class Engine(ThreadSubmit):
                            swa_full=swa_full)
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
         self.n_ctx = min(self.ctx.n_ctx_seq, ctx_per_slot) if ctx_per_slot else self.ctx.n_ctx_seq
-        n_batch = self.n_batch = self.ctx.n_batch  # at most n_ubatch with SWA layers at the window's size
+        n_batch = self.n_batch = self.ctx.n_batch  # at most n_ubatch for a sliding-window model
         self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)

@@ -463,12 +463,11 @@ class Context:
         p = lc.llama_context_default_params()
         p.n_ctx = round_ctx(n_ctx)
         p.n_ubatch = min(n_ubatch or n_batch, n_batch)
-        # SWA layers at the window's size: one ubatch per decode. llama.cpp places a batch's ubatches ahead of
-        # computing them (llama_kv_cache::prepare) and rolls back only the cells it placed, not the older
-        # positions it purged meanwhile; a later ubatch may take cells an earlier one still attends to, and
-        # that earlier ubatch then computes without them (tests/runtime/test_swa_window.py)
-        window = not swa_full and model.n_swa > 0
-        p.n_batch = n_batch = p.n_ubatch if window else n_batch
+        # a sliding-window model: one ubatch per decode. llama.cpp places a batch's ubatches ahead of computing
+        # them (llama_kv_cache::prepare) and rolls back only the cells it placed, not the older positions each
+        # placement purged; a later ubatch may take SWA cells an earlier one still attends to, which then
+        # computes without them (tests/runtime/test_swa_window.py; the fuzzer, at both swa_full settings)
+        p.n_batch = n_batch = p.n_ubatch if model.n_swa > 0 else n_batch
         p.n_seq_max = n_seq_max
         threads = n_threads or os.cpu_count() or 4
         p.n_threads = threads
