@@ -105,3 +105,13 @@ def test_a_new_chat_sharing_the_system_prompt_continues_from_its_checkpoint(rec_
         r = e.generate(Request(chat2, GREEDY, max_tokens=8, ignore_eos=True, n_keep=len(system)))
     assert r.usage.cached_tokens == len(system)
     assert r.tokens == _fresh(rec_path, chat2, 8)
+
+
+def test_a_recurrent_history_shifted_past_the_context_is_not_reused(rec_path: Path) -> None:
+    """A context shift cannot take tokens out of a recurrent state: the history it leaves no longer says what the
+    state holds, so nothing may continue from it (found in review: it was parked and offered for reuse)."""
+    with Engine(rec_path, n_ctx=256, threads=2, slots=1) as e:
+        r = e.generate(Request(_prompt(7, 100), GREEDY, max_tokens=300, ignore_eos=True, context_policy="shift",
+                               n_keep=10))
+        assert r.usage.completion_tokens == 300 and e.stats()["shifts"] >= 1
+        assert e.slots[0].tokens == [] and e.stats()["parked_states"] == 0

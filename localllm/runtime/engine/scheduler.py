@@ -462,7 +462,7 @@ class Engine(ThreadSubmit):
         """How many of `prompt`'s first tokens (at most cap) slot s's KV memory can serve as they are, or
         after restoring one of its checkpoints (an image's tokens all or none)."""
         n = prompt_media.reusable(min(common_prefix(s.tokens, prompt), cap), spans)
-        if not worth_reusing(n, len(prompt)):
+        if s.stale or not worth_reusing(n, len(prompt)):
             return 0
         if kv_holds(self.ctx.seq_pos_min(s.id), n, self._n_swa):
             return n
@@ -518,6 +518,8 @@ class Engine(ThreadSubmit):
             raise EngineError("the KV cache refused to drop tokens for a context shift")
         self.ctx.seq_add(s.id, k + d, -1, -d)
         s.reset(s.tokens[:k] + s.tokens[k + d:])  # positions moved: no checkpoint holds any more
+        # a recurrent state keeps what it has seen: its history no longer says what it holds
+        s.stale = self._n_swa == RECURRENT
         self._counters["shifts"] += 1
         if self._drafter is not None:
             self._drafter.shift(s.id, k, d)
@@ -650,7 +652,9 @@ class Engine(ThreadSubmit):
             new = self.projector.eval(self.ctx, span.image, pos, s.id, self.n_batch)
         except NoKVSlot:
             self._counters["kv_full"] += 1
-            self.ctx.seq_rm(s.id, pos, -1)
+            if not self.ctx.seq_rm(s.id, pos, -1):  # a recurrent state took the image's first batches: no retry
+                self._fail(s, EngineError("the KV cache filled up while an image was read", "try again"))
+                return
             self._free_kv()  # room from idle histories (or a stopped request); the image is tried again
             return
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
@@ -742,6 +746,9 @@ class Engine(ThreadSubmit):
         job.chain.close()
         s.job = None
         s.last_used = now
+        if s.stale:  # nothing can continue it
+            self.ctx.seq_rm(s.id)
+            s.reset()
         job.stream.put(job.chunk(text, tokens or [], finish_reason=reason,  # probs, stop_word: runtime.engine.slots
                                  usage=job.usage(), timings=t, error=error))
 

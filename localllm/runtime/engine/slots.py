@@ -170,6 +170,7 @@ class Slot:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
     parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
     parked_ram: bool = False  # ... and whether the RAM tier took it then
+    stale: bool = False  # its memory holds tokens the history no longer lists (a recurrent state after a shift)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
@@ -182,6 +183,7 @@ class Slot:
         self.tokens = tokens if tokens is not None else []
         self.checkpoints = []
         self.parked_at = -1
+        self.stale = False
 
     def checkpoint(self, n: int, blob: bytes) -> None:
         """Keep a checkpoint at n (after the others: a prefill moves forward). The earliest stays while the
