@@ -15,9 +15,10 @@ and embeddings do not cut. `prefill_ends` replays that plan so that a single req
 llama-server's greedy output; the extra decode call of 4 tokens costs one decode step of TTFT.
 
 Parity is with a default llama-server: with --swa-full it does not cut (localllm cuts whatever its own
-swa_full, which it keeps on for prefix reuse). Not replayed: the extra cuts llama-server makes at the
-user-message starts of a chat prompt (message spans from the chat template), and the cuts it makes for
-recurrent and hybrid models; so the parity shown is for prompts sent as text or tokens (/completion).
+swa_full, which it keeps on for prefix reuse). Recurrent and hybrid models are cut the same way (their
+checkpoints need it too). Not replayed: the extra cuts llama-server makes at the user-message starts of a chat
+prompt (message spans from the chat template); localllm cuts at the end of the system prefix instead
+(Request.n_keep), so the parity shown is for prompts sent as text or tokens (/completion).
 """
 
 from __future__ import annotations
