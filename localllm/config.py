@@ -99,8 +99,8 @@ class Settings:
     # a sliding-window model's SWA layers at full context size (any cached prefix reusable as it is), or
     # false: at the window's size, as llama-server's default (a fraction of the KV memory at long contexts),
     # with checkpoints of each prompt's SWA layers so that a chat revisited with its reply trimmed stays warm.
-    # Opt-in: a chat sharing only a long system prompt with another reuses it only while the SWA cache still
-    # holds the window ending there (no checkpoints at message boundaries yet; docs/benchmarks.md, issue 32)
+    # Opt-in: each turn ends two more batches and copies checkpoints (agent-loop TTFT +5-10 % here), and a
+    # client that edits an earlier message reuses only up to the nearest checkpoint (docs/benchmarks.md, issue 32)
     swa_full: bool = True
     # the disk tier behind it (<cache>/prompt-cache): parked states that outlive the process; 0 turns it off
     prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024

@@ -29,9 +29,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
+    from tinymodel import make_tiny_mamba_gguf
+
     from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
-    from tinymodel import make_tiny_mamba_gguf
 
     tmp = tempfile.TemporaryDirectory()
     model = args.model or str(make_tiny_mamba_gguf(Path(tmp.name) / "bench-recurrent.gguf", hybrid=args.hybrid,

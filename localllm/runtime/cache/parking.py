@@ -47,7 +47,7 @@ class Parking:
         # a sequence id no slot uses: a prefix of a history is copied there (metadata only) to save its state
         self.scratch = scratch
         # SWA layers at the window's size, or a recurrent state: prefix states only from the slots' checkpoints
-        self.window = window or n_swa == RECURRENT
+        self.window = window
         self.count = 0  # states parked in RAM so far
         self.checkpoints = 0  # prefix states written to the disk tier
 

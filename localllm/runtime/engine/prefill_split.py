@@ -67,7 +67,8 @@ def with_cuts(ends: list[int], start: int, cuts: tuple[int, ...], always: int = 
     rows (whose logits would differ from llama-server's cuts); the cut at `always` (the system prefix's end,
     which other chats share) whatever the batch."""
     for c in cuts:
-        if c > start and (c in ends or c == always or c - max([start, *(e for e in ends if e < c)]) >= SMALL_BATCH):
+        room = c - max([start, *(e for e in ends if e < c)])  # the batch that would end at c
+        if c > start and (c in ends or c == always or room >= SMALL_BATCH):
             ends = sorted({*ends, c})
     return ends
 

@@ -106,7 +106,8 @@ class Engine(ThreadSubmit):
         # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
         self._checkpointing = self._window or self._n_swa == RECURRENT
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
-                               open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch, window=self._window)
+                               open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch,
+                               window=self._checkpointing)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
