@@ -288,3 +288,28 @@ def test_uninvited_drafting_waits_for_guesses_to_show_repetition() -> None:
     assert st.alpha < 0.5
     st.guessed(9)  # no guess made this step: nothing learned
     assert st.alpha < 0.5
+
+
+def test_every_computation_of_an_engine_runs_on_its_scheduler_thread(tiny_path: Path, random_draft: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drafter's calibration at load, the draft model's decodes and embeddings run on the scheduler thread.
+    ggml's CPU backend keeps an OpenMP thread team per calling thread; a second team on a machine without
+    spare cores left every later decode waiting for sleeping workers (gemma-3-270m: 33 ms a token, not 21)."""
+    from localllm.runtime.native import llama
+
+    callers: list[int] = []
+    decode = llama.Context.decode
+
+    def recorded(self: llama.Context, batch: llama.Batch) -> None:
+        callers.append(threading.get_ident())
+        decode(self, batch)
+
+    monkeypatch.setattr(llama.Context, "decode", recorded)
+    spec = SpecConfig(draft_model=random_draft, lookup=True, optional=True)
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, spec=spec) as e:
+        assert e._cost.ms, "the adaptive drafter calibrates its cost table at load"
+        e.generate(Request("hello world foo bar " * 4, GREEDY, max_tokens=12, ignore_eos=True))
+        vectors = e.embed(["hello world", "foo"])
+        engine_thread = e._thread.ident
+    assert len(vectors.vectors) == 2 and vectors.tokens[0] > 0
+    assert callers and set(callers) == {engine_thread}
