@@ -114,6 +114,13 @@ def test_checkpoints_also_at_the_end_of_the_system_prefix() -> None:
     assert checkpoint_cuts(200, 32, n_system=199) == (132, 164, 196)  # never past the last one
 
 
+def test_the_cut_64_tokens_before_the_last_is_taken_only_in_a_prefill_longer_than_a_ubatch() -> None:
+    """A new question after a long document continues from 68 tokens before the old prompt's end; an agent's
+    ~330-token turn does not pay a third decode call for it."""
+    assert checkpoint_cuts(1000, 512, start=400) == (484, 932, 996)
+    assert checkpoint_cuts(1000, 512, start=670) == (484, 996)  # 484 lies before the prefill: never cut
+
+
 def test_a_slot_keeps_its_earliest_checkpoint_while_the_others_go_oldest_first() -> None:
     s = Slot(0)
     for n in (300, 484, 928, 996, 1100, 1200):

@@ -58,7 +58,7 @@ def test_a_recurrent_chat_continues_from_its_state_and_a_regenerate_from_its_che
         again, cached3 = _run(e, p, 8)
         assert cached3 == len(p) - 4
         st = e.stats()
-        assert st["checkpoint_restores"] == 1 and st["checkpoints"] >= 2
+        assert st["checkpoint_restores"] == 1 and st["checkpoints"] >= 1
         # a reply the client trimmed: the second turn's checkpoint serves it
         trimmed = turn2[:-2] + [40]
         got4, cached4 = _run(e, trimmed, 8)

@@ -51,15 +51,17 @@ def prefill_ends(start: int, end: int, n_ubatch: int, n_batch: int = SERVER_N_BA
     return ends
 
 
-def checkpoint_cuts(n_prompt: int, n_ubatch: int, n_system: int = 0) -> tuple[int, ...]:
-    """Where a window-sized sliding-window cache (or a recurrent state) saves checkpoints of a prompt, as
-    llama-server: CHECKPOINT_TAIL tokens before its end (the same prompt again — a regenerated or trimmed
-    reply — still has tokens to decode after it), and 64 and a ubatch before that (a new question after the
-    same long document); and at the end of its system prefix, n_system tokens (Request.n_keep), which
-    another chat with the same system prompt shares (llama-server: where the last user message starts)."""
+def checkpoint_cuts(n_prompt: int, n_ubatch: int, n_system: int = 0, start: int = 0) -> tuple[int, ...]:
+    """Where a window-sized sliding-window cache (or a recurrent state) saves checkpoints of a prompt whose
+    prefill starts at `start`, as llama-server: CHECKPOINT_TAIL tokens before its end (the same prompt again — a
+    regenerated or trimmed reply — still has tokens to decode after it) and a ubatch before that; 64 before the
+    last (a new question after the same long document) where the prefill is longer than a ubatch anyway — in a
+    shorter one (an agent's next turn, ~330 new tokens) that cut adds a decode call, ~12 % of its TTFT on
+    gemma-3-270m; and at the end of its system prefix, n_system tokens (Request.n_keep), which another chat with
+    the same system prompt shares (llama-server: where the last user message starts)."""
     tail = n_prompt - CHECKPOINT_TAIL
-    return tuple(c for c in sorted({tail - n_ubatch, tail - CHECKPOINT_NEAR, tail, min(n_system, tail)})
-                 if c >= SMALL_BATCH)
+    near = {tail - CHECKPOINT_NEAR} if tail - n_ubatch > start else set()
+    return tuple(c for c in sorted({tail - n_ubatch, tail, min(n_system, tail)} | near) if c >= SMALL_BATCH)
 
 
 def with_cuts(ends: list[int], start: int, cuts: tuple[int, ...], always: int = 0) -> list[int]:

@@ -650,7 +650,7 @@ class Engine(ThreadSubmit):
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
-        return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep)
+        return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
 
     def _take_checkpoint(self, s: Slot) -> None:
         """Save the SWA layers of a prompt nearly prefilled (a window's worth of cells, ~8 MB on gemma-3-270m),
