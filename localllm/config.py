@@ -96,12 +96,14 @@ class Settings:
     # images come inline (data: URIs, base64), as a server on someone's laptop should not fetch for a web page
     allow_image_urls: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
-    # a sliding-window model's SWA layers at full context size (any cached prefix reusable as it is), or
-    # false: at the window's size, as llama-server's default (a fraction of the KV memory at long contexts),
-    # with checkpoints of each prompt's SWA layers so that a chat revisited with its reply trimmed stays warm.
-    # Opt-in: each turn ends two more batches and copies checkpoints (agent-loop TTFT +5-10 % here), and a
-    # client that edits an earlier message reuses only up to the nearest checkpoint (docs/benchmarks.md, issue 32)
-    swa_full: bool = True
+    # a sliding-window model's SWA layers: unset, at full context size (any cached prefix reusable as it is)
+    # where they fit in memory, else at the window's size before a smaller context or a quantized cache; true,
+    # always full size; false, always the window's size, as llama-server's default (a fraction of the KV memory
+    # at long contexts), with checkpoints of each prompt's SWA layers so that a chat revisited with its reply
+    # trimmed stays warm. The window is not the default where memory allows: a client that edits an earlier
+    # message, or an editor's fill-in-the-middle request after an edit, reuses only up to the nearest
+    # checkpoint (docs/benchmarks.md, issue 32)
+    swa_full: bool | None = None
     # the disk tier behind it (<cache>/prompt-cache): parked states that outlive the process; 0 turns it off
     prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024
     # a new /infill or /completion from the same editor (client, model, id_slot) cancels its stale one
@@ -287,7 +289,7 @@ RULES: dict[str, Rule] = {
     "allow_local_pull": Rule("bool"),
     "allow_image_urls": Rule("bool"),
     "prefix_cache_bytes": Rule("int", 0),
-    "swa_full": Rule("bool"),
+    "swa_full": Rule("bool", optional=True),
     "prompt_cache_disk_bytes": Rule("int", 0),
     "supersede": Rule("bool"),
     "slots_endpoint": Rule("bool"),

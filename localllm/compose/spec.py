@@ -29,14 +29,14 @@ MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
                   gpu_layers: int | None = None, kv_type: str | None = None,
                   cpu_kernels: str | None = None, rpc: str | None = None,
-                  projector: Any = None, swa_full: bool = True) -> tuple[dict[str, Any], Any]:
+                  projector: Any = None, swa_full: bool | None = None) -> tuple[dict[str, Any], Any]:
     """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
     every value the caller gives overrides the plan's choice. cpu_kernels: the setting, passed through
     (the engine resolves "auto" with machine/kernels.py where the model loads). rpc: llama.cpp RPC
     workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory.
     projector: the model's vision projector (models.gguf_meta.ProjectorInfo): the plan counts it, and the
     engine gets it as `mmproj`. swa_full: sliding-window layers at full size (False: the window's, as
-    llama-server; prefixes are then reused through checkpoints)."""
+    llama-server; prefixes are then reused through checkpoints; None: full size where it fits)."""
     from localllm.machine.fit import plan_fit
 
     devices, extra = None, {}

@@ -305,7 +305,7 @@ class _Planner:
 def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list[Device] | None = None,
              slots: int | None = None, want_ctx: int | None = None, gpu_layers: int | None = None,
              kv_type: str | None = None, threads: int | None = None, reserve_bytes: int | None = None,
-             flash_attn: bool | None = None, swa_full: bool = True,
+             flash_attn: bool | None = None, swa_full: bool | None = None,
              n_ubatch: int = DEFAULT_UBATCH, projector: ProjectorInfo | None = None) -> FitPlan:
     """Choose n_gpu_layers, n_ctx, KV type, flash attention and threads for `info` on this machine.
 
@@ -314,6 +314,9 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     `reserve_bytes` replaces the estimated compute scratch. n_ctx is the unified cache for all slots.
     `projector`: the model's vision projector, whose weights and one image's scratch (projector_reserve) are
     counted where they will live: on the GPU when any layer is offloaded, else in RAM.
+    `swa_full` None: a sliding-window model's SWA layers at full size (any cached prefix reusable as it is)
+    where they fit, else at the window's size (as llama-server; reuse through checkpoints) before a smaller
+    context or a quantized cache, which change nothing of the answers.
     """
     slots_given = slots is not None
     slots = DEFAULT_SLOTS if slots is None else slots
@@ -341,7 +344,7 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     compute = reserve_bytes if reserve_bytes is not None else compute_reserve(info, n_ubatch, slots)
     p_weights = projector.weights_bytes if projector is not None else 0
     p_compute = projector_reserve(projector) if projector is not None else 0
-    pl = _Planner(info, ram_available, gpu, slots, swa_full, n_ubatch, compute, p_weights + p_compute)
+    pl = _Planner(info, ram_available, gpu, slots, swa_full is not False, n_ubatch, compute, p_weights + p_compute)
     choices: dict[str, Choice] = {}
     warnings: list[str] = []
 
@@ -360,9 +363,13 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     else:
         target = max(CTX_STEP, min(trained or DEFAULT_CTX, DEFAULT_CTX) // CTX_STEP * CTX_STEP)
     kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
+    # (KV type, SWA layers at full size) in order of preference: the window's size before a quantized cache
+    layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
+    candidates = [(kvt, full) for kvt in kv_candidates for full in layouts]
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
-    for kvt in kv_candidates:
+    for kvt, full in candidates:
+        pl.swa_full = full
         if pl.evaluate(target, kvt, ngl).fits:
             chosen_kv = kvt
             break
@@ -376,17 +383,27 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         why_ctx, why_kv = f"asked for {want_ctx}", "the smallest allowed; the context does not fit even so"
         warnings.append(f"context {target} does not fit in memory even with a {chosen_kv} KV cache")
     else:
-        best = [(pl.max_ctx(CTX_STEP, target, kvt, ngl), kvt) for kvt in kv_candidates]
-        found = [(c, k) for c, k in best if c is not None]
+        best = []
+        for kvt, full in candidates:
+            pl.swa_full = full
+            best.append((pl.max_ctx(CTX_STEP, target, kvt, ngl), kvt, full))
+        found = [b for b in best if b[0] is not None]
         if found:
-            n_ctx, chosen_kv = max(found, key=lambda ck: ck[0])  # ties keep f16 (listed first)
+            n_ctx, chosen_kv, pl.swa_full = max(found, key=lambda b: b[0])  # ties keep the earlier (preferred)
             why_ctx = f"largest that fits in memory (default would be {target})"
             if chosen_kv == "q8_0" and not kv_type:
-                why_kv = f"q8_0 fits {n_ctx} tokens where f16 fits {best[0][0] or 0}"
+                why_kv = f"q8_0 fits {n_ctx} tokens where f16 fits {max(b[0] or 0 for b in best if b[1] == 'f16')}"
         else:
-            n_ctx, chosen_kv = CTX_STEP, kv_candidates[0]
+            n_ctx, chosen_kv, pl.swa_full = CTX_STEP, kv_candidates[0], layouts[0]
             why_ctx = why_kv = "the model does not fit at any context size"
     assert chosen_kv is not None
+    if swa_full is not None or not info.sliding_window:
+        why_swa = "given" if swa_full is not None else "no sliding-window layers"
+    elif pl.swa_full:
+        why_swa = "full size: any cached prefix is reused as it is"
+    else:
+        why_swa = (f"the window's size, as llama-server: full-size sliding-window layers do not fit {n_ctx} "
+                   "tokens; prefixes are reused through checkpoints")
     ev = pl.evaluate(n_ctx, chosen_kv, ngl)
     if not ev.fits:
         if ev.ram_needed > ram_available:
@@ -412,10 +429,11 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     choices["threads"] = Choice(n_threads, threads is not None,
                                 f"--threads {threads}" if threads else "one per physical core")
     choices["slots"] = Choice(slots, slots_given, "--slots" if slots_given else "default parallel sequences")
+    choices["swa_full"] = Choice(pl.swa_full, swa_full is not None, why_swa)
 
     return FitPlan(
         n_gpu_layers=ev.ngl, n_ctx=n_ctx, kv_type=chosen_kv, flash_attn=fa, threads=n_threads, slots=slots,
-        swa_full=swa_full, n_ubatch=n_ubatch, layers=pl.n_layers,
+        swa_full=pl.swa_full, n_ubatch=n_ubatch, layers=pl.n_layers,
         weights_bytes=ev.weights_gpu + ev.weights_cpu, weights_gpu_bytes=ev.weights_gpu,
         weights_cpu_bytes=ev.weights_cpu, kv_bytes=ev.kv_gpu + ev.kv_cpu, kv_gpu_bytes=ev.kv_gpu,
         compute_bytes=ev.compute_gpu + ev.compute_cpu, ram_needed=ev.ram_needed, ram_available=ram_available,

@@ -72,6 +72,28 @@ def test_swa_counted_when_not_full() -> None:
     assert kv_bytes_per_token(info, n_ctx=8192, swa_full=False) < kv_bytes_per_token(info)
 
 
+def test_sliding_window_layers_shrink_to_the_window_only_where_full_size_ones_do_not_fit() -> None:
+    """Unset, swa_full is chosen: full-size SWA layers (any cached prefix reusable) where they fit, else the
+    window's size (as llama-server) before a quantized cache; given, it is kept."""
+    info = synth(arch="gemma3", layers=18, kv_heads=1, head=256, swa=512)
+    full = plan_fit(info, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768)
+    assert (full.swa_full, full.kv_type) == (True, "f16") and not full.choices["swa_full"].overridden
+    window = plan_fit(info, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768, swa_full=False)
+    assert window.kv_bytes < full.kv_bytes / 3
+    between = (full.ram_needed + window.ram_needed) // 2
+    auto = plan_fit(info, ram_available=between, devices=CPU_ONLY, want_ctx=32768)
+    assert (auto.swa_full, auto.kv_type, auto.n_ctx, auto.fits) == (False, "f16", 32768, True)
+    assert "do not fit" in auto.choices["swa_full"].reason and auto.engine_kwargs()["swa_full"] is False
+    kept = plan_fit(info, ram_available=between, devices=CPU_ONLY, want_ctx=32768, swa_full=True)
+    assert kept.swa_full and kept.kv_type == "q8_0" and kept.choices["swa_full"].overridden
+    # no context asked and too little memory for the default: the largest context, the window's layers
+    small = plan_fit(info, ram_available=window.ram_needed, devices=CPU_ONLY)
+    assert not small.swa_full and small.n_ctx >= plan_fit(info, ram_available=window.ram_needed,
+                                                          devices=CPU_ONLY, swa_full=True).n_ctx
+    plain = plan_fit(synth(), ram_available=64 * GiB, devices=CPU_ONLY)
+    assert plain.swa_full and plain.choices["swa_full"].reason == "no sliding-window layers"
+
+
 @pytest.mark.slow
 def test_real_gemma_kv_matches_llama_cpp(gemma: ModelInfo) -> None:
     # llama.cpp reports for this file (swa_full): 24 MiB non-SWA + 120 MiB SWA at 8192 cells, 36 MiB at 2048.
