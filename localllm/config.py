@@ -104,6 +104,11 @@ class Settings:
     # message, or an editor's fill-in-the-middle request after an edit, reuses only up to the nearest
     # checkpoint (docs/benchmarks.md, issue 32)
     swa_full: bool | None = None
+    # llama-server's --cache-reuse N: after the prefix a prompt shares with a slot's history, runs of at least N
+    # cached tokens the prompt keeps while dropping what came before them are moved (KV shift), not prefilled
+    # again. Approximate (their KV was computed after the dropped tokens); 0 off, as llama-server's default.
+    # Per request: n_cache_reuse on /completion and /infill
+    cache_reuse: int = 0
     # the disk tier behind it (<cache>/prompt-cache): parked states that outlive the process; 0 turns it off
     prompt_cache_disk_bytes: int = 4 * 1024 * 1024 * 1024
     # a new /infill or /completion from the same editor (client, model, id_slot) cancels its stale one
@@ -290,6 +295,7 @@ RULES: dict[str, Rule] = {
     "allow_image_urls": Rule("bool"),
     "prefix_cache_bytes": Rule("int", 0),
     "swa_full": Rule("bool", optional=True),
+    "cache_reuse": Rule("int", 0, 1 << 20),
     "prompt_cache_disk_bytes": Rule("int", 0),
     "supersede": Rule("bool"),
     "slots_endpoint": Rule("bool"),

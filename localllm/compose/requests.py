@@ -61,6 +61,7 @@ class Options:
     context_policy: Any = None  # None: the door's default
     n_keep: Any = None  # None: the system prefix's tokens
     n_keep_name: str = "n_keep"
+    cache_reuse: int | None = None  # llama-server's n_cache_reuse (None: the server's setting)
     ignore_eos: bool = False
     progress: bool = False  # prompt progress chunks while the prompt is prefilled (llama-server's return_progress)
     draft: dict[str, Any] = field(default_factory=dict)  # DRAFT_KEYS values
@@ -286,7 +287,7 @@ class RequestBuilder:
                        json_schema=o.json_schema if o.json_schema is not None else json_format(o.format),
                        context_policy=runtime_policy(context_policy(o.context_policy, d.context_policy or policy)),
                        n_keep=n_keep, ignore_eos=bool(o.ignore_eos), progress=bool(o.progress),
-                       **draft_options(o.draft))
+                       cache_reuse=o.cache_reuse, **draft_options(o.draft))
 
 
 # ---- wire values → request fields (each checked; errors name the field) ---------------------------

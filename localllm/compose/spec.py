@@ -235,6 +235,8 @@ class Composer:
             kw["ctx_per_slot"] = s.ctx_per_slot
         if s.prefix_cache_bytes is not None:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
+        if s.cache_reuse:
+            kw["cache_reuse"] = s.cache_reuse
         disk = s.prompt_cache_disk_bytes
         if disk > 0 and digest:  # the disk tier: one folder per model file (and projector: an image's KV is its)
             from localllm.config import paths

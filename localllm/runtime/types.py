@@ -130,6 +130,9 @@ class Request:
     # prompt progress chunks while the prompt is prefilled (llama-server's return_progress): one as the
     # request starts, then one after each batch that carried some of its prompt
     progress: bool = False
+    # llama-server's n_cache_reuse: the smallest run of the slot's cached tokens that is moved (KV shift) to
+    # follow the common prefix when the prompt dropped what came before it; approximate, 0 off, None the engine's
+    cache_reuse: int | None = None
     # an editor's fill-in-the-middle request: its slot's history is kept over a chat's when a free slot must be
     # taken (the file's prefix stays warm for the next completion while the user chats)
     editor: bool = False

@@ -11,7 +11,7 @@ from tinymodel import make_tiny_gguf
 
 from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.engine.scheduler import Engine
-from localllm.runtime.types import GenerationParams, Request
+from localllm.runtime.types import GenerationParams, Request, Result
 
 GREEDY = GenerationParams(temperature=0)
 
@@ -223,3 +223,58 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_generate(tiny_path: Pat
         # 1200 prompt tokens need ~19 steps of 64: A runs all its 8 tokens meanwhile
         assert ra.timings.ttft_ms + ra.timings.decode_ms < rb.timings.ttft_ms
         assert rb.usage.prompt_tokens == 1201 and len(rb.tokens) == 2
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3-swa"])
+def shiftable(request: pytest.FixtureRequest, tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tinymodel import make_tiny_gemma3_gguf
+
+    if request.param == "llama":
+        return tiny_path
+    return make_tiny_gemma3_gguf(tmp_path_factory.mktemp("shift") / "gemma3.gguf")
+
+
+def test_cache_reuse_moves_what_a_prompt_keeps_after_a_span_it_dropped(shiftable: Path) -> None:
+    """llama-server's --cache-reuse: a prompt that drops a span of the slot's history reuses the run after it by a
+    KV shift (approximate: that run's KV was computed after the dropped span), not only the prefix before it.
+    Off by default; on, the slot's KV holds exactly the new history, so the next turn continues it in place."""
+    rng = random.Random(3)
+    a, b, c = ([rng.randrange(1, 250) for _ in range(n)] for n in (40, 30, 60))
+    new = a + c + [7, 8]
+
+    def second(engine_reuse: int, request_reuse: int | None) -> tuple[Engine, Result]:
+        e = Engine(shiftable, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0, cache_reuse=engine_reuse)
+        e.generate(Request(a + b + c, GREEDY, max_tokens=4))
+        return e, e.generate(Request(new, GREEDY, max_tokens=6, ignore_eos=True, cache_reuse=request_reuse))
+
+    for engine_reuse, request_reuse in ((0, None), (16, 0), (16, 61)):  # off, off per request, runs too short
+        e, r = second(engine_reuse, request_reuse)
+        with e:
+            assert r.usage.cached_tokens == len(a) and e.stats()["shifted_chunks"] == 0
+    for engine_reuse, request_reuse in ((16, None), (0, 16)):
+        e, r = second(engine_reuse, request_reuse)
+        with e:
+            assert r.usage.cached_tokens == len(a) + len(c) and e.stats()["shifted_chunks"] == 1
+            assert_consistent(e)
+            history = new + r.tokens[:-1]
+            again = e.generate(Request(history + [9], GREEDY, max_tokens=6, ignore_eos=True))
+            assert again.usage.cached_tokens == len(history)
+
+
+def test_cache_reuse_moves_nothing_whose_sliding_window_cells_are_gone(tmp_path: Path) -> None:
+    """A sliding-window model's SWA layers give up cells older than the window to new tokens (llama.cpp reuses
+    masked cells): a run moved from there would leave the next tokens attending to nothing, so it is not moved.
+    The cells are dropped by hand here (a seq_rm of the oldest positions), as llama.cpp drops them under load."""
+    from tinymodel import make_tiny_gemma3_gguf
+
+    path = make_tiny_gemma3_gguf(tmp_path / "gemma3.gguf")  # a 32-token window
+    rng = random.Random(5)
+    a, b, c = ([rng.randrange(1, 250) for _ in range(n)] for n in (40, 30, 100))
+    prompt = a + c[:60] + [7, 8]  # c[:60], at 70..129, would move to 40..99
+    with Engine(path, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0, cache_reuse=16) as e:
+        e.generate(Request(a + b + c, GREEDY, max_tokens=4))
+        got: list[int] = []
+        e._control(lambda: got.append(e._moves(e.slots[0], prompt, 40, 16, len(prompt) - 1)[0]), 10)
+        e._control(lambda: e.ctx.seq_rm(0, 0, 100), 10)  # the next token needs new 69..99, old 99..129
+        e._control(lambda: got.append(e._moves(e.slots[0], prompt, 40, 16, len(prompt) - 1)[0]), 10)
+    assert got == [100, 40]

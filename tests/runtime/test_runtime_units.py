@@ -89,3 +89,15 @@ def test_timings_rates() -> None:
     assert t.ttft_ms == 105
     assert t.prompt_per_s == pytest.approx(1000.0)
     assert t.decode_per_s == pytest.approx(10.0)
+
+
+def test_shifted_chunks_are_llama_servers_cache_reuse() -> None:
+    from localllm.runtime.cache.prefix import shifted_chunks
+
+    cache = [1, 2, 3, 9, 9, 4, 5, 6, 7, 8, 8, 10, 11, 12, 13]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 99]
+    # after the prefix 1 2 3: the run 4..7 (cache 5..8) moves to 3..6, then 10..13 (cache 11..14) to 7..10
+    assert shifted_chunks(cache, prompt, 3, 3, len(prompt) - 1) == [(5, 3, 4), (11, 7, 4)]
+    assert shifted_chunks(cache, prompt, 3, 5, len(prompt) - 1) == []  # no run that long
+    # never past cap: the prompt's last token is decoded again
+    assert shifted_chunks(cache, prompt[:-1], 3, 3, len(prompt) - 2) == [(5, 3, 4), (11, 7, 3)]

@@ -140,3 +140,25 @@ def test_limits_n_indent_and_t_max_predict() -> None:
     time.sleep(0.01)
     assert slow.cut("no newline") is None and slow.cut("a\nb") == "a\nb"
     assert flatten({"a": {"b": 1}, "c": 2}, ["a/b", "c", "missing/x"]) == {"a/b": 1, "c": 2}
+
+
+def test_infill_n_cache_reuse_moves_the_context_after_a_dropped_chunk(http: httpx.Client, srv: Server) -> None:
+    """llama.vim's ring of extra context chunks: when the oldest chunk leaves, the rest of the prompt moves up.
+    With n_cache_reuse (llama-server's --cache-reuse) that rest is shifted in the KV cache, not prefilled."""
+    chunks = [{"filename": f"m{i}.py", "text": "".join(f"v{i}_{k} = {k} * {i}\n" for k in range(25))}
+              for i in range(2)]
+
+    def ask(extra: list[dict[str, str]], **kw: object) -> dict[str, object]:
+        r = http.post("/infill", json=vim_request(PREFIX, "    ", 4, input_extra=extra, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ask(chunks)
+    full = ask(chunks)["tokens_cached"]  # the same prompt again: all of it but its last token
+    plain = ask(chunks[1:])["tokens_cached"]  # the chunk gone: only the prompt's start is reused
+    ask(chunks)
+    moved = ask(chunks[1:], n_cache_reuse=16)
+    assert plain < 0.2 * full and moved["tokens_cached"] > 0.5 * full and moved["timings/prompt_n"] < 10
+    bad = http.post("/infill", json=vim_request(PREFIX, "    ", 4, n_cache_reuse=-1))
+    assert bad.status_code == 400 and "n_cache_reuse" in bad.text
+    wait_idle(srv.pool)

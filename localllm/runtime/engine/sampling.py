@@ -29,6 +29,9 @@ def validate(req: Request) -> None:
         problems.append(f"context_policy must be error or shift, got {req.context_policy!r}")
     if not isinstance(req.n_keep, int) or req.n_keep < -1:
         problems.append(f"n_keep must be >= -1, got {req.n_keep!r}")
+    if req.cache_reuse is not None and (isinstance(req.cache_reuse, bool) or not isinstance(req.cache_reuse, int)
+                                        or req.cache_reuse < 0):
+        problems.append(f"n_cache_reuse must be an integer >= 0, got {req.cache_reuse!r}")
     if isinstance(req.stop, str):
         req.stop = [req.stop]  # OpenAI clients send a single string too
     if req.stop and (not isinstance(req.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in req.stop)):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.cache.parking import Parking, open_disk_tier
-from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, worth_reusing
+from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, shifted_chunks, worth_reusing
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
 from localllm.runtime.engine.prefill_split import (
@@ -77,7 +77,7 @@ class Engine(ThreadSubmit):
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
                  disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
                  rpc: list[str] | None = None, ctx_per_slot: int | None = None,
-                 mmproj: str | Path | None = None) -> None:
+                 mmproj: str | Path | None = None, cache_reuse: int = 0) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
@@ -105,6 +105,9 @@ class Engine(ThreadSubmit):
         self._window = self._n_swa > 0 and not swa_full
         # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
         self._checkpointing = self._window or self._n_swa == RECURRENT
+        # llama-server's --cache-reuse: the smallest run of cached tokens moved to a new position after tokens
+        # before it were dropped (0: off); per request Request.cache_reuse. Not where a cache cannot shift.
+        self._cache_reuse = cache_reuse
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
                                open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch,
                                window=self._checkpointing)
@@ -123,7 +126,8 @@ class Engine(ThreadSubmit):
             "steps": 0, "decoded_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0, "prefill_us": 0,
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
-            "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0}
+            "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
+            "shifted_chunks": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         self.projector: Projector | None = None  # when the model reads images
@@ -412,7 +416,14 @@ class Engine(ThreadSubmit):
         free = [s for s in self.slots if s.job is None]
         # the free slot sharing the most; among equals a chat spares an editor's history, then the least recent
         editor = job.request.editor
-        dst = max(free, key=lambda s: (self._reusable(s, prompt, cap, spans), editor or not s.editor, -s.last_used))
+        reuse = self._cache_reuse if job.request.cache_reuse is None else job.request.cache_reuse
+        shifting = reuse > 0 and not self._checkpointing and not spans
+
+        def held(s: Slot) -> int:  # what s would serve, moved runs included
+            n_s = self._reusable(s, prompt, cap, spans)
+            return self._moves(s, prompt, n_s, reuse, cap)[0] if shifting else n_s
+
+        dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
         n = self._reusable(dst, prompt, cap, spans)
         # another slot's prefix is copied only where its KV still holds it (its checkpoints are its own)
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans, False),
@@ -420,7 +431,7 @@ class Engine(ThreadSubmit):
         n_src = self._reusable(src, prompt, cap, spans, False) if src is not None else 0
         tier, key, n_park = self._parked.best(prompt, cap)
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
-        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= n + _REUSE_MIN
+        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= max(n, held(dst)) + _REUSE_MIN
         # taken before parking dst can evict it; None from disk: the file failed its check (removed)
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
         if gain and (copy or blob is not None):
@@ -452,6 +463,8 @@ class Engine(ThreadSubmit):
             # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
             n = 0
+        if shifting and used == "slot" and n < len(dst.tokens):
+            n = self._shift_chunks(dst, prompt, *self._moves(dst, prompt, n, reuse, cap))
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
@@ -648,6 +661,41 @@ class Engine(ThreadSubmit):
                     self._take_checkpoint(s)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+
+    def _moves(self, s: Slot, prompt: list[int], n: int, min_chunk: int, cap: int) -> tuple[int, list[tuple[int, ...]]]:
+        """The runs of s's history after its first n tokens that a prompt keeps (prefix.shifted_chunks, llama-server's
+        --cache-reuse), and the prefix s would hold once they are moved: (n, []) where none is, or where a sliding
+        window's layers no longer hold the cells the next token would attend to once they are moved."""
+        if any(t < 0 for t in s.tokens[n:]):  # an image's embeddings: not moved
+            return n, []
+        moves = shifted_chunks(s.tokens, prompt, n, min_chunk, cap)
+        if not moves:
+            return n, []
+        end = moves[-1][1] + moves[-1][2]
+        if self._n_swa > 0:  # SWA cells older than the window get purged: the new window must still be there
+            q = max(0, end - self._n_swa + 1)
+            old = next((c + q - p for c, p, k in moves if p <= q < p + k), q)
+            if old < self.ctx.seq_pos_min(s.id):
+                return n, []
+        return end, moves
+
+    def _shift_chunks(self, s: Slot, prompt: list[int], end: int, moves: list[tuple[int, ...]]) -> int:
+        """Move the runs `_moves` found (an approximate reuse: their KV was computed after the dropped tokens before
+        them); the prefix the slot holds now."""
+        if not moves:
+            return end
+        for c, p, k in moves:
+            if not self.ctx.seq_rm(s.id, p, c):  # a memory that cannot drop a range (not expected here): start over
+                self.ctx.seq_rm(s.id)
+                s.reset()
+                return 0
+            self.ctx.seq_add(s.id, c, c + k, p - c)
+        self.ctx.seq_rm(s.id, end, -1)
+        s.reset(list(prompt[:end]))  # positions moved
+        if self._drafter is not None:
+            self._drafter.forget(s.id)
+        self._counters["shifted_chunks"] += len(moves)
+        return end
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)

@@ -80,6 +80,7 @@ class CompletionBody(Body):
     grammar: str | None = None
     response_fields: list[str] | None = None
     cache_prompt: bool = True
+    n_cache_reuse: int | None = None  # llama-server's: the smallest cached run moved by a KV shift (None: serve's)
     id_slot: int | None = None
     samplers: list[str] | str | None = None
     context_policy: str | None = None
@@ -172,6 +173,7 @@ def _wire_options(body: CompletionBody) -> Options:
     return Options(sampling={k: fields.get(k) for k in PARAM_KEYS}, max_tokens=n_predict,
                    max_tokens_name="n_predict", stop=body.stop, json_schema=body.json_schema, grammar=body.grammar,
                    context_policy=body.context_policy, n_keep=body.n_keep, ignore_eos=body.ignore_eos,
+                   cache_reuse=body.n_cache_reuse,
                    progress=body.stream and body.return_progress, draft=body.model_extra or {}, logit_bias=body.logit_bias, post_sampling_probs=body.post_sampling_probs,
                    # llama-server's n_probs, alias `logprobs`; 0 (its default) means none
                    n_probs=(body.n_probs if body.n_probs is not None else (body.model_extra or {}).get("logprobs")) or None)
