@@ -7,12 +7,17 @@ k+1..k+3: the two chunks it keeps move up in the prompt. Without cache_reuse the
 from its start (its first chunk is new at that position); with it, the two chunks are moved, and the new chunk
 and what follows it are prefilled.
 
-    python tests/bench/cache_reuse.py --model GGUF [--rounds 6] [--reuse 64]
+    python tests/bench/cache_reuse.py --model GGUF [--rounds 6] [--reuse 64] [--llama-server PATH]
+
+With --llama-server, llama.cpp's own server (`--cache-reuse` at the same size, one slot, `--swa-full` as localllm:
+with the window's SWA layers it finds the moved cells gone and prefills all) answers the same requests: its
+reused answer against its fresh one, and against localllm's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -29,7 +34,22 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=400, help="tokens per context chunk")
     ap.add_argument("--answer", type=int, default=32, help="greedy tokens compared with a fresh context")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", type=Path, help="llama-server's binary (tests/bench/build_llama_server.sh)")
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        oracle = None
+        if args.llama_server:
+            from localllm.bench.versus import llama_server
+
+            oracle = stack.enter_context(llama_server(args.llama_server, Path(args.model), threads=args.threads,
+                                                      ctx=8192, slots=1, repack=False,
+                                                      extra=["--cache-reuse", str(args.reuse), "--swa-full"]))
+        run(args, oracle)
+
+
+def run(args: argparse.Namespace, oracle: str | None) -> None:
+
+    import httpx
 
     from localllm.runtime.engine.scheduler import Engine
     from localllm.runtime.types import GenerationParams, Request
@@ -61,8 +81,14 @@ def main() -> None:
                     cached = ch.usage.cached_tokens
             return (first or 0.0) * 1000, cached, toks_out
 
-        rows = {"off": [], "on": []}
-        same = 0
+        def server(p: list[int], cache: bool) -> tuple[int, list[int]]:
+            body = {"prompt": p, "n_predict": args.answer, "temperature": 0, "ignore_eos": True, "cache_prompt": cache,
+                    "return_tokens": True, "id_slot": 0}
+            r = httpx.post(f"{oracle}/completion", json=body, timeout=300).json()
+            return r["timings"]["prompt_n"], r["tokens"]
+
+        rows: dict[str, list[tuple[float, int, float]]] = {"off": [], "on": []}
+        same, server_same, server_fresh = 0, 0, 0
         for k in range(args.rounds):
             fresh.reset_cache()
             cold, _, want = ask(fresh, prompt(k + 1))
@@ -70,11 +96,18 @@ def main() -> None:
                 ask(e, prompt(k))
                 ms, cached, got = ask(e, prompt(k + 1))
                 rows[name].append((ms, cached, cold))
-                if name == "on":
-                    same += got == want
-                    print(f"round {k + 1}: cold {cold:.0f} ms; off {rows['off'][-1][0]:.0f} ms "
-                          f"({rows['off'][-1][1]} cached); on {ms:.0f} ms ({cached} cached); "
-                          f"answer {'==' if got == want else '!='} fresh", flush=True)
+            line = (f"round {k + 1}: cold {cold:.0f} ms; off {rows['off'][-1][0]:.0f} ms ({rows['off'][-1][1]} cached); "
+                    f"on {ms:.0f} ms ({cached} cached); answer {'==' if got == want else '!='} fresh")
+            same += got == want
+            if oracle:
+                server(prompt(k), True)
+                n_server, theirs = server(prompt(k + 1), True)
+                _, theirs_fresh = server(prompt(k + 1), False)
+                server_same += theirs == got
+                server_fresh += theirs == theirs_fresh
+                line += (f"; llama-server {n_server} prefilled, answer {'==' if theirs == theirs_fresh else '!='} its fresh, "
+                         f"{'==' if theirs == got else '!='} localllm's")
+            print(line, flush=True)
         for name in ("off", "on"):
             ms = statistics.median(r[0] for r in rows[name])
             cold = statistics.median(r[2] for r in rows[name])
@@ -82,6 +115,9 @@ def main() -> None:
             print(f"cache_reuse {name:3}: TTFT p50 {ms:.0f} ms = {100 * ms / cold:.1f} % of cold ({cold:.0f} ms), "
                   f"{cached:.0f} of {len(prompt(1))} tokens from the cache")
         print(f"greedy answers ({args.answer} tokens) equal to a fresh context's with cache_reuse: {same}/{args.rounds}")
+        if oracle:
+            print(f"llama-server --cache-reuse {args.reuse}: its answers equal to its fresh ones {server_fresh}/"
+                  f"{args.rounds}, to localllm's with cache_reuse {server_same}/{args.rounds}")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,10 @@ def test_cache_reuse_moves_what_a_prompt_keeps_after_a_span_it_dropped(shiftable
             history = new + r.tokens[:-1]
             again = e.generate(Request(history + [9], GREEDY, max_tokens=6, ignore_eos=True))
             assert again.usage.cached_tokens == len(history)
+    # a common prefix too short to reuse alone (a BOS, an editor's first chunk gone): the runs after it still move
+    with Engine(shiftable, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0, cache_reuse=16) as e:
+        e.generate(Request([1] + b + c, GREEDY, max_tokens=4))
+        assert e.generate(Request([1] + c + [7, 8], GREEDY, max_tokens=4)).usage.cached_tokens == 1 + len(c)
 
 
 def test_cache_reuse_moves_nothing_whose_sliding_window_cells_are_gone(tmp_path: Path) -> None:

@@ -666,9 +666,10 @@ class Engine(ThreadSubmit):
         """The runs of s's history after its first n tokens that a prompt keeps (prefix.shifted_chunks, llama-server's
         --cache-reuse), and the prefix s would hold once they are moved: (n, []) where none is, or where a sliding
         window's layers no longer hold the cells the next token would attend to once they are moved."""
-        if any(t < 0 for t in s.tokens[n:]):  # an image's embeddings: not moved
+        if any(t < 0 for t in s.tokens):  # an image's embeddings: not moved
             return n, []
-        moves = shifted_chunks(s.tokens, prompt, n, min_chunk, cap)
+        # from the whole common prefix, even one too short to reuse alone (a BOS): the runs after it may be long
+        moves = shifted_chunks(s.tokens, prompt, max(n, min(common_prefix(s.tokens, prompt), cap)), min_chunk, cap)
         if not moves:
             return n, []
         end = moves[-1][1] + moves[-1][2]
