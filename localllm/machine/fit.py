@@ -11,6 +11,7 @@ or handed in by the caller, which may enumerate ggml's devices itself.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -302,6 +303,13 @@ class _Planner:
         return a * CTX_STEP
 
 
+def _with_layout(pl: _Planner, swa_full: bool) -> _Planner:
+    """The planner with sliding-window layers at full size or at the window's (a shallow copy)."""
+    other = copy.copy(pl)
+    other.swa_full = swa_full
+    return other
+
+
 def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list[Device] | None = None,
              slots: int | None = None, want_ctx: int | None = None, gpu_layers: int | None = None,
              kv_type: str | None = None, threads: int | None = None, reserve_bytes: int | None = None,
@@ -368,10 +376,11 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     candidates = [(kvt, full) for kvt in kv_candidates for full in layouts]
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
-    for kvt, full in candidates:
-        pl.swa_full = full
-        if pl.evaluate(target, kvt, ngl).fits:
-            chosen_kv = kvt
+    for kvt in kv_candidates:  # per KV type, the layout that fits with the most layers on the GPU (ties: full size)
+        fitting = [(pl_eval.ngl, -i, full) for i, full in enumerate(layouts)
+                   if (pl_eval := _with_layout(pl, full).evaluate(target, kvt, ngl)).fits]
+        if fitting:
+            chosen_kv, pl.swa_full = kvt, max(fitting)[2]
             break
     if chosen_kv is not None:
         why_ctx = (f"asked for {want_ctx}" + (f", rounded up to a multiple of {CTX_STEP}" if target != want_ctx
@@ -402,8 +411,10 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     elif pl.swa_full:
         why_swa = "full size: any cached prefix is reused as it is"
     else:
-        why_swa = (f"the window's size, as llama-server: full-size sliding-window layers do not fit {n_ctx} "
-                   "tokens; prefixes are reused through checkpoints")
+        full_ngl = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
+        why_swa = ("the window's size, as llama-server: full-size sliding-window layers "
+                   + (f"leave room for {full_ngl.ngl} layers on the GPU, not {pl.evaluate(n_ctx, chosen_kv, ngl).ngl}"
+                      if full_ngl.fits else f"do not fit {n_ctx} tokens") + "; prefixes are reused through checkpoints")
     ev = pl.evaluate(n_ctx, chosen_kv, ngl)
     if not ev.fits:
         if ev.ram_needed > ram_available:

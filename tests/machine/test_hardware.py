@@ -94,6 +94,26 @@ def test_sliding_window_layers_shrink_to_the_window_only_where_full_size_ones_do
     assert plain.swa_full and plain.choices["swa_full"].reason == "no sliding-window layers"
 
 
+def test_sliding_window_layers_shrink_where_that_puts_more_layers_on_the_gpu() -> None:
+    """With a GPU, full-size SWA layers "fit" by leaving layers on the CPU; the window's size is chosen where it
+    offloads more of them (a GPU layer is worth more than reusing any prefix as it is)."""
+    info = synth(arch="gemma3", layers=18, kv_heads=8, head=256, swa=512)
+
+    def gpu(free: int) -> list[Device]:
+        return [CPU_ONLY[0], Device("Test GPU", "gpu", free, free)]
+
+    big = 80 * GiB
+    full = plan_fit(info, ram_available=64 * GiB, devices=gpu(big), want_ctx=32768, swa_full=True)
+    window = plan_fit(info, ram_available=64 * GiB, devices=gpu(big), want_ctx=32768, swa_full=False)
+    assert full.n_gpu_layers == window.n_gpu_layers == 19 and window.gpu_needed < full.gpu_needed
+    free = (full.gpu_needed + window.gpu_needed) // 2 + GPU_HEADROOM
+    forced = plan_fit(info, ram_available=64 * GiB, devices=gpu(free), want_ctx=32768, swa_full=True)
+    auto = plan_fit(info, ram_available=64 * GiB, devices=gpu(free), want_ctx=32768)
+    assert forced.n_gpu_layers < 19 and (auto.swa_full, auto.n_gpu_layers, auto.kv_type) == (False, 19, "f16")
+    assert "layers on the GPU" in auto.choices["swa_full"].reason
+    assert plan_fit(info, ram_available=64 * GiB, devices=gpu(big), want_ctx=32768).swa_full
+
+
 @pytest.mark.slow
 def test_real_gemma_kv_matches_llama_cpp(gemma: ModelInfo) -> None:
     # llama.cpp reports for this file (swa_full): 24 MiB non-SWA + 120 MiB SWA at 8192 cells, 36 MiB at 2048.

@@ -282,3 +282,42 @@ def test_cache_reuse_moves_nothing_whose_sliding_window_cells_are_gone(tmp_path:
         e._control(lambda: e.ctx.seq_rm(0, 0, 100), 10)  # the next token needs new 69..99, old 99..129
         e._control(lambda: got.append(e._moves(e.slots[0], prompt, 40, 16, len(prompt) - 1)[0]), 10)
     assert got == [100, 40]
+
+
+def test_cache_reuse_leaves_the_slots_sharing_the_moved_cells_right(tiny_path: Path) -> None:
+    """A prefix copied to another slot shares its KV cells, and a cell has one position whichever sequences hold it:
+    moving a run for one slot moved it for the other too. An idle sharer now gives up its history from the first
+    moved cell (as on a context shift); a generating one keeps the runs from moving."""
+    from helpers import assert_like_reference
+
+    rng = random.Random(9)
+    a, b, c = ([rng.randrange(1, 250) for _ in range(n)] for n in (40, 30, 60))
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, state_cache_bytes=0, cache_reuse=16) as e:
+        e.generate(Request(a + b + c, GREEDY, max_tokens=2))
+        e._control(lambda: (e.ctx.seq_cp(0, 1, 0, 130), e.slots[1].reset((a + b + c)[:130])), 10)  # as _admit copies
+        e.generate(Request(a + c + [7, 8], GREEDY, max_tokens=4))  # slot 0 or 1 moves c
+        assert e.stats()["shifted_chunks"] == 1
+        other = (a + b + c)[:130] + [5]
+        r = e.generate(Request(other, GREEDY, max_tokens=8, ignore_eos=True, cache_reuse=0))
+    assert_like_reference(tiny_path, other, r.tokens, n=8, ignore_eos=True)
+
+
+def test_cache_reuse_is_off_where_the_cache_cannot_shift(tiny_path: Path, tmp_path: Path) -> None:
+    """A KV cache that cannot shift (M-RoPE positions: llama.cpp would abort) is never asked to: the prompt is
+    prefilled after its common prefix, as llama-server turns --cache-reuse off there. Nor is a window-sized
+    sliding-window cache, whose older cells are gone (its prefixes come back through checkpoints)."""
+    from tinymodel import make_tiny_gemma3_gguf
+
+    rng = random.Random(4)
+    a, b, c = ([rng.randrange(1, 250) for _ in range(n)] for n in (40, 30, 60))
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0, cache_reuse=16) as e:
+        e.ctx.can_shift = False  # as Context reads it from llama.cpp for such a model
+        e.generate(Request(a + b + c, GREEDY, max_tokens=2))
+        r = e.generate(Request(a + c + [7, 8], GREEDY, max_tokens=4))
+        assert r.usage.cached_tokens == len(a) and e.stats()["shifted_chunks"] == 0
+        assert_consistent(e)
+    gemma3 = make_tiny_gemma3_gguf(tmp_path / "gemma3.gguf")
+    with Engine(gemma3, n_ctx=1024, slots=1, threads=2, cache_reuse=16, swa_full=False) as e:
+        e.generate(Request(a + b + c, GREEDY, max_tokens=2))
+        e.generate(Request(a + c + [7, 8], GREEDY, max_tokens=4))
+        assert e.stats()["shifted_chunks"] == 0

@@ -37,15 +37,16 @@ def shifted_chunks(cache: Sequence[int], prompt: Sequence[int], n: int, min_chun
     change (a RoPE shift), so the answers may differ from a fresh prefill's. Off unless asked for."""
     moves = []
     c = p = n
-    while c < len(cache) and p < cap:
-        k = 0
+    while len(cache) - c >= min_chunk and cap - p >= min_chunk:
+        # a whole min_chunk compared at once (C speed) before the run is extended token by token
+        if cache[c] != prompt[p] or cache[c:c + min_chunk] != prompt[p:p + min_chunk]:
+            c += 1
+            continue
+        k = min_chunk
         while c + k < len(cache) and p + k < cap and cache[c + k] == prompt[p + k]:
             k += 1
-        if k >= min_chunk:
-            moves.append((c, p, k))
-            c, p = c + k, p + k
-        else:
-            c += 1
+        moves.append((c, p, k))
+        c, p = c + k, p + k
     return moves
 
 

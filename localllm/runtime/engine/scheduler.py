@@ -147,13 +147,14 @@ class Engine(ThreadSubmit):
         # teams exist on a machine with no spare cores, their workers stop spinning between graphs and each
         # decode waits for them to wake: a 1-row decode of gemma-3-270m took 33 ms against 21 (2 threads).
         self._thread = threading.Thread(target=self._loop, name="localllm-engine", daemon=True)
-        self._thread.start()
         try:  # _cost: measured decode ms by batch rows, how long drafts may be
+            self._thread.start()
             self._control(lambda: self._make_drafter(slots, threads, name), None)
         except BaseException:
             self._stop = True
             self._inbox.put(None)
-            self._thread.join()
+            if self._thread.is_alive():
+                self._thread.join()
             self._close_native()
             raise
         # stop the scheduler before interpreter teardown (a daemon thread inside llama_decode at exit
@@ -264,7 +265,7 @@ class Engine(ThreadSubmit):
         self._inbox.put(run)
         t_end = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.5):
-            if not self._thread.is_alive():  # closed before it ran the call
+            if not self._thread.is_alive() and not done.is_set():  # closed before it ran the call
                 raise EngineError("the engine is closed")
             if t_end is not None and time.monotonic() > t_end:
                 raise EngineError(f"the engine did not answer in {timeout:.0f} s", "it may be stuck; restart it")
@@ -281,10 +282,12 @@ class Engine(ThreadSubmit):
             if self._embedder is None:
                 self._embedder = Embedder(self.model, threads=self.ctx.n_threads)
             embedder = self._embedder
+        if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
+            raise InvalidInput("input must be a string or a non-empty list of strings")
         out: list[Embeddings] = []
-        # on the scheduler thread, between steps, as every computation of this engine (see __init__)
-        self._control(lambda: out.append(embedder.embed(texts)), None)
-        return out[0]
+        for i, text in enumerate(texts):  # on the scheduler thread, between steps (see __init__): one at a time
+            self._control(lambda i=i, text=text: out.append(embedder.embed([text], first=i)), None)
+        return Embeddings([v for e in out for v in e.vectors], [n for e in out for n in e.tokens])
 
     def status(self) -> dict[str, Any] | None:
         return None  # no process or upstream of its own to report
@@ -302,9 +305,10 @@ class Engine(ThreadSubmit):
         self._stop = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        try:
-            if not self._thread.is_alive():  # the context is free: keep what the slots hold on disk
-                self._parked.save_all(self.slots)
+        if self._thread.is_alive():  # still inside llama.cpp: freeing the context under it would crash the process
+            return
+        try:  # the context is free: keep what the slots hold on disk
+            self._parked.save_all(self.slots)
         finally:
             self._close_native()
 
@@ -417,11 +421,16 @@ class Engine(ThreadSubmit):
         # the free slot sharing the most; among equals a chat spares an editor's history, then the least recent
         editor = job.request.editor
         reuse = self._cache_reuse if job.request.cache_reuse is None else job.request.cache_reuse
-        shifting = reuse > 0 and not self._checkpointing and not spans
+        shifting = reuse > 0 and self.ctx.can_shift and not self._checkpointing and not spans
+        moves: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # slot id → _moves, once per admission
 
         def held(s: Slot) -> int:  # what s would serve, moved runs included
             n_s = self._reusable(s, prompt, cap, spans)
-            return self._moves(s, prompt, n_s, reuse, cap)[0] if shifting else n_s
+            if not shifting:
+                return n_s
+            if s.id not in moves:
+                moves[s.id] = self._moves(s, prompt, n_s, reuse, cap)
+            return moves[s.id][0]
 
         dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
         n = self._reusable(dst, prompt, cap, spans)
@@ -464,7 +473,7 @@ class Engine(ThreadSubmit):
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
             n = 0
         if shifting and used == "slot" and n < len(dst.tokens):
-            n = self._shift_chunks(dst, prompt, *self._moves(dst, prompt, n, reuse, cap))
+            n = self._shift_chunks(dst, prompt, n, self._moves(dst, prompt, n, reuse, cap)[1])
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
@@ -662,10 +671,12 @@ class Engine(ThreadSubmit):
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
-    def _moves(self, s: Slot, prompt: list[int], n: int, min_chunk: int, cap: int) -> tuple[int, list[tuple[int, ...]]]:
+    def _moves(self, s: Slot, prompt: list[int], n: int, min_chunk: int,
+               cap: int) -> tuple[int, list[tuple[int, int, int]]]:
         """The runs of s's history after its first n tokens that a prompt keeps (prefix.shifted_chunks, llama-server's
-        --cache-reuse), and the prefix s would hold once they are moved: (n, []) where none is, or where a sliding
-        window's layers no longer hold the cells the next token would attend to once they are moved."""
+        --cache-reuse), and the prefix s would hold once they are moved: (n, []) where none is; where a sliding
+        window's layers no longer hold the cells the next token would attend to once they are moved; and where a
+        generating slot shares cells that would move (a cell has one position, whichever sequences hold it)."""
         if any(t < 0 for t in s.tokens):  # an image's embeddings: not moved
             return n, []
         # from the whole common prefix, even one too short to reuse alone (a BOS): the runs after it may be long
@@ -678,19 +689,34 @@ class Engine(ThreadSubmit):
             old = next((c + q - p for c, p, k in moves if p <= q < p + k), q)
             if old < self.ctx.seq_pos_min(s.id):
                 return n, []
+        if any(t.job is not None and common_prefix(s.tokens, t.tokens) > moves[0][0] for t in self.slots if t is not s):
+            return n, []
         return end, moves
 
-    def _shift_chunks(self, s: Slot, prompt: list[int], end: int, moves: list[tuple[int, ...]]) -> int:
+    def _shift_chunks(self, s: Slot, prompt: list[int], n: int, moves: list[tuple[int, int, int]]) -> int:
         """Move the runs `_moves` found (an approximate reuse: their KV was computed after the dropped tokens before
-        them); the prefix the slot holds now."""
+        them); the prefix the slot holds now. Idle slots that may share the moved cells (a copied prefix) give up
+        their history from the first of them, as on a context shift."""
         if not moves:
-            return end
-        for c, p, k in moves:
-            if not self.ctx.seq_rm(s.id, p, c):  # a memory that cannot drop a range (not expected here): start over
-                self.ctx.seq_rm(s.id)
-                s.reset()
-                return 0
-            self.ctx.seq_add(s.id, c, c + k, p - c)
+            return n
+        first = moves[0][0]
+        for t in self.slots:
+            if t is not s and t.job is None and common_prefix(s.tokens, t.tokens) > first:
+                if self.ctx.seq_rm(t.id, first, -1):
+                    t.truncate(first)
+                else:
+                    self.ctx.seq_rm(t.id)
+                    t.reset()
+        try:
+            for c, p, k in moves:
+                if not self.ctx.seq_rm(s.id, p, c):
+                    raise EngineError("the KV cache refused to drop a range")
+                self.ctx.seq_add(s.id, c, c + k, p - c)
+        except EngineError:  # not expected where the cache can shift: start this slot over
+            self.ctx.seq_rm(s.id)
+            s.reset()
+            return 0
+        end = moves[-1][1] + moves[-1][2]
         self.ctx.seq_rm(s.id, end, -1)
         s.reset(list(prompt[:end]))  # positions moved
         if self._drafter is not None:

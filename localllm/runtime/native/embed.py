@@ -33,8 +33,9 @@ class Embedder:
         self._lock = threading.Lock()
         self._closed = False
 
-    def embed(self, texts: Sequence[str]) -> Embeddings:
-        """An L2-normalized vector and the token count for each text."""
+    def embed(self, texts: Sequence[str], first: int = 0) -> Embeddings:
+        """An L2-normalized vector and the token count for each text; `first`: the first one's index in the
+        request (for messages)."""
         if not texts or not all(isinstance(t, str) for t in texts):
             raise InvalidInput("input must be a string or a non-empty list of strings")
         vectors, counts = [], []
@@ -44,9 +45,9 @@ class Embedder:
             for i, text in enumerate(texts):
                 tokens = self.model.tokenize(clean_text(text))
                 if not tokens:
-                    raise InvalidInput(f"input[{i}] is empty after tokenization")
+                    raise InvalidInput(f"input[{first + i}] is empty after tokenization")
                 if len(tokens) > self.n_ctx:
-                    raise InvalidInput(f"input[{i}] is {len(tokens)} tokens, longer than the {self.n_ctx}-token "
+                    raise InvalidInput(f"input[{first + i}] is {len(tokens)} tokens, longer than the {self.n_ctx}-token "
                                        "embedding context", "split the text into smaller pieces")
                 self.ctx.clear()
                 self._batch.clear()
