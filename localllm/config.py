@@ -97,7 +97,8 @@ class Settings:
     allow_image_urls: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
     # a sliding-window model's SWA layers: unset, at full context size (any cached prefix reusable as it is)
-    # where they fit in memory, else at the window's size before a smaller context or a quantized cache; true,
+    # where they fit in memory with as many GPU layers, else at the window's size (before a smaller context
+    # or a quantized cache); true,
     # always full size; false, always the window's size, as llama-server's default (a fraction of the KV memory
     # at long contexts), with checkpoints of each prompt's SWA layers so that a chat revisited with its reply
     # trimmed stays warm. The window is not the default where memory allows: a client that edits an earlier
