@@ -26,6 +26,7 @@ CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt
 # GBs and slows attention for chats that rarely pass a few thousand tokens; 8k covers nearly all chat
 # and editor use. A larger `want_ctx` is honoured up to what fits.
 DEFAULT_CTX = 8192
+DRAFT_ROWS = 16  # drafts per slot a step may verify (SpecConfig.draft_max: prompt lookup is on by default)
 DEFAULT_UBATCH = 512
 DEFAULT_SLOTS = 4
 # Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
@@ -100,11 +101,12 @@ def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16", n_ctx: int | None 
 
 
 def compute_reserve(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH, slots: int = 1) -> int:
-    """Scratch memory llama.cpp reserves for one ubatch: dominated by the logits (n_vocab × n_ubatch f32;
-    measured 514.5 MiB on gemma-3-270m with its 262k vocabulary), plus activations and output rows."""
+    """Scratch memory llama.cpp reserves for one ubatch: the logits of the rows the engine asks them for (n_vocab
+    f32 each: one per slot and up to DRAFT_ROWS drafts each, the engine's n_outputs_max; 512 rows were 514.5 MiB on
+    gemma-3-270m with its 262k vocabulary), plus activations and output rows."""
     vocab = info.vocab_size or 32000
     embd = info.embedding_length or 4096
-    logits = vocab * n_ubatch * 4
+    logits = vocab * min(n_ubatch, max(1, slots) * (1 + DRAFT_ROWS)) * 4
     activations = embd * n_ubatch * 4 * 8
     outputs = vocab * 4 * max(1, slots)
     return logits + activations + outputs + 16 * MiB

@@ -313,3 +313,40 @@ def test_every_computation_of_an_engine_runs_on_its_scheduler_thread(tiny_path: 
         engine_thread = e._thread.ident
     assert len(vectors.vectors) == 2 and vectors.tokens[0] > 0
     assert callers and set(callers) == {engine_thread}
+
+
+def test_logits_are_reserved_for_the_rows_a_step_can_ask_and_no_more(tiny_path: Path) -> None:
+    """llama.cpp reserves the logits of n_outputs_max rows (all n_batch by default: 512 MiB of gemma-3-270m's
+    514 MiB compute buffer) and aborts on a batch asking for more. The engine asks for one row per slot and the
+    drafts of every slot at the engine's draft_max; requests asking for more drafts share what is left, and a
+    batch over the limit is refused before it reaches llama.cpp."""
+    from localllm.errors import EngineError
+    from localllm.runtime.native.llama import Batch, Context
+
+    model = Model(tiny_path)
+    try:
+        ctx = Context(model, n_ctx=256, n_seq_max=2, n_batch=64, n_outputs_max=3)
+        batch = Batch(64, 1)
+        for i in range(4):
+            batch.add(1, i, 0, True)
+        with pytest.raises(EngineError, match="at most 3"):
+            ctx.decode(batch)
+        batch.clear()
+        for i in range(4):
+            batch.add(1, i, 0, i >= 1)
+        ctx.decode(batch)
+        batch.close()
+        ctx.close()
+    finally:
+        model.close()
+    rep = "hello world foo bar " * 8
+    with Engine(tiny_path, n_ctx=2048, slots=3, threads=2, spec=SpecConfig(lookup=True, draft_max=4)) as e:
+        assert e.ctx.n_outputs_max == 3 * 5
+        streams = [e.submit(Request(rep + str(i), GREEDY, max_tokens=40, ignore_eos=True, draft_max=64))
+                   for i in range(3)]
+        got = [s.result() for s in streams]
+    assert all(r.finish_reason == "length" for r in got) and sum(r.timings.draft_n for r in got) > 0
+    with Engine(tiny_path, n_ctx=2048, slots=1, threads=2, state_cache_bytes=0) as plain:
+        for i, r in enumerate(got):
+            assert_same_or_tie(tiny_path, rep + str(i), plain.generate(Request(rep + str(i), GREEDY, max_tokens=40,
+                                                                               ignore_eos=True)).tokens, r.tokens)

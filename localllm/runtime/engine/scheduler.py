@@ -88,9 +88,12 @@ class Engine(ThreadSubmit):
         # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
         scratch = slots if (self.model.n_swa > 0 or self.model.recurrent) and parks else None
+        # rows with logits a step needs: one per slot (its next token, or its prompt's last), and drafts: as many as
+        # every slot drafting the engine's draft_max at once (a request asking for more gets what is left)
+        drafts = spec.draft_max if spec is not None and spec.enabled else 0
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch,
                            n_ubatch=n_ubatch, n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
-                           swa_full=swa_full)
+                           swa_full=swa_full, n_outputs_max=slots * (1 + drafts))
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
         self.n_ctx = min(self.ctx.n_ctx_seq, ctx_per_slot) if ctx_per_slot else self.ctx.n_ctx_seq
         n_batch = self.n_batch = self.ctx.n_batch  # at most n_ubatch for a sliding-window model
@@ -573,7 +576,10 @@ class Engine(ThreadSubmit):
                 if span is not None:
                     self._eval_image(s, span)
         if self._drafter is not None and not self._draft_pause:
-            collect_drafts(self._drafter, self.slots, self.n_batch, self.n_ctx, self._cost)
+            # rows of logits left for drafts: a prompt that ends this step takes one too
+            ending = sum(1 for s in self.slots if s.job is not None and not s.job.next_tokens)
+            collect_drafts(self._drafter, self.slots, min(self.n_batch, self.ctx.n_outputs_max - ending), self.n_ctx,
+                           self._cost)
         self._draft_pause = False
         batch = self._batch
         batch.clear()

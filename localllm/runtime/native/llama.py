@@ -300,9 +300,10 @@ class Batch:
         self.capacity = capacity
         self._b = lc.llama_batch_init(capacity, 0, n_seq_max)
         self.n_tokens = 0
+        self.n_outputs = 0  # rows with logits
 
     def clear(self) -> None:
-        self.n_tokens = 0
+        self.n_tokens = self.n_outputs = 0
 
     def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
         """Append one row; returns its row index (the index to sample from when logits=True)."""
@@ -316,6 +317,7 @@ class Batch:
         b.seq_id[i][0] = seq_id
         b.logits[i] = logits
         self.n_tokens = i + 1
+        self.n_outputs += bool(logits)
         return i
 
     @property
@@ -454,7 +456,7 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512,
                  n_ubatch: int | None = None, n_threads: int | None = None, n_threads_batch: int | None = None,
                  kv_type: str = "f16", flash_attn: bool | None = None, swa_full: bool = True,
-                 embeddings: bool = False) -> None:
+                 embeddings: bool = False, n_outputs_max: int | None = None) -> None:
         if kv_type not in KV_TYPES:
             raise InvalidInput(f"unknown KV cache type {kv_type!r}", f"use one of {', '.join(KV_TYPES)}")
         if not 1 <= n_seq_max <= 256:
@@ -469,6 +471,11 @@ class Context:
         # computes without them (tests/runtime/test_swa_window.py; the fuzzer, at both swa_full settings)
         p.n_batch = n_batch = p.n_ubatch if model.n_swa > 0 else n_batch
         p.n_seq_max = n_seq_max
+        # rows with logits per decode (None: every row of a batch). llama.cpp reserves the logits of that many rows
+        # (n_vocab floats each: 512 rows of gemma-3's 262k vocabulary are 512 MiB of a 514 MiB compute buffer) and
+        # aborts the process on a batch asking for more (decode refuses it first); at least one per sequence
+        self.n_outputs_max = max(n_seq_max, min(n_outputs_max, n_batch)) if n_outputs_max else n_batch
+        p.n_outputs_max = self.n_outputs_max if n_outputs_max else 0
         threads = n_threads or os.cpu_count() or 4
         p.n_threads = threads
         p.n_threads_batch = n_threads_batch or threads
@@ -502,6 +509,9 @@ class Context:
     def decode(self, batch: Batch) -> None:
         if batch.n_tokens == 0:
             return
+        if batch.n_outputs > self.n_outputs_max:  # llama.cpp would abort the process (GGML_ASSERT)
+            raise EngineError(f"a batch with {batch.n_outputs} rows of logits; this context computes at most "
+                              f"{self.n_outputs_max}")
         batch._b.n_tokens = batch.n_tokens
         rc = lc.llama_decode(self._p, batch._b)
         if rc == 0:

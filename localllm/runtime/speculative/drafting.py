@@ -13,7 +13,8 @@ from localllm.runtime.speculative.verify import Drafter, DraftTask, StepCost, pl
 
 
 def collect_drafts(drafter: Drafter, slots: list[Slot], n_batch: int, n_ctx: int, cost: StepCost) -> None:
-    """Set `job.drafts` of every speculating generating slot, within the batch and context room."""
+    """Set `job.drafts` of every speculating generating slot, within the batch and context room; n_batch: the rows
+    of logits the step may have for generating slots and their drafts."""
     gen = [s for s in slots if s.job is not None and s.job.next_tokens]
     rows, gain = len(gen), float(len(gen))
     tasks = []

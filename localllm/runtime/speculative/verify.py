@@ -189,7 +189,7 @@ class StepCost:
         Kernels tile rows (quantized CPU matmuls are cheapest at multiples of 4 or 8), so the curve is
         not smooth: measured points beat a guessed slope. Runs at load, before any request."""
         for n in sorted({1, 2, 4, 8, 16, draft_max + 1}):
-            if n > batch.capacity:
+            if n > min(batch.capacity, ctx.n_outputs_max):
                 continue
             for _ in range(2):  # the first decode of a shape builds its graph (observe skips it)
                 self.observe(n, time_rows(ctx, batch, token, n))
