@@ -29,14 +29,16 @@ MAX_CTX = 1 << 20  # tokens per request context, whatever the model claims
 def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None, threads: int | None = None,
                   gpu_layers: int | None = None, kv_type: str | None = None,
                   cpu_kernels: str | None = None, rpc: str | None = None,
-                  projector: Any = None, swa_full: bool | None = None) -> tuple[dict[str, Any], Any]:
+                  projector: Any = None, swa_full: bool | None = None,
+                  draft_max: int | None = None) -> tuple[dict[str, Any], Any]:
     """(Engine keyword arguments, the FitPlan) for a model (models.gguf_meta.ModelInfo) on this machine;
     every value the caller gives overrides the plan's choice. cpu_kernels: the setting, passed through
     (the engine resolves "auto" with machine/kernels.py where the model loads). rpc: llama.cpp RPC
     workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory.
     projector: the model's vision projector (models.gguf_meta.ProjectorInfo): the plan counts it, and the
     engine gets it as `mmproj`. swa_full: sliding-window layers at full size (False: the window's, as
-    llama-server; prefixes are then reused through checkpoints; None: full size where it fits)."""
+    llama-server; prefixes are then reused through checkpoints; None: full size where it fits). draft_max: drafts
+    per slot a step may verify, 0 without speculative decoding (None: the plan's default)."""
     from localllm.machine.fit import plan_fit
 
     devices, extra = None, {}
@@ -45,7 +47,8 @@ def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None
     if projector is not None:
         extra["mmproj"] = str(projector.path)
     plan = plan_fit(info, **({"slots": slots} if slots else {}), want_ctx=ctx, gpu_layers=gpu_layers,
-                    kv_type=kv_type, threads=threads, devices=devices, projector=projector, swa_full=swa_full)
+                    kv_type=kv_type, threads=threads, devices=devices, projector=projector, swa_full=swa_full,
+                    **({"draft_max": draft_max} if draft_max is not None else {}))
     return {**plan.engine_kwargs(), **({"cpu_kernels": cpu_kernels} if cpu_kernels else {}), **extra}, plan
 
 
@@ -224,9 +227,10 @@ class Composer:
               n_batch: int | None, digest: str = "", projector: Any = None) -> dict[str, Any]:
         s = self.settings
         # with a projector: kw["mmproj"] is its blob, and the plan's total counts its weights and one image
+        drafting = bool(s.draft or s.lookup or (s.lookup_auto and s.draft_adaptive))  # as speculation() decides
         kw, plan = engine_kwargs(info, slots=s.slots, ctx=want_ctx, threads=threads, gpu_layers=ngl,
                                  kv_type=s.kv_type, cpu_kernels=s.cpu_kernels, rpc=s.rpc, projector=projector,
-                                 swa_full=s.swa_full)
+                                 swa_full=s.swa_full, draft_max=s.draft_max if drafting else 0)
         kw.update(_size=plan.total_bytes,
                   _vram=plan.weights_gpu_bytes + plan.kv_gpu_bytes + plan.projector_gpu_bytes)
         if n_batch:

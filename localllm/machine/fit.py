@@ -26,7 +26,7 @@ CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt
 # GBs and slows attention for chats that rarely pass a few thousand tokens; 8k covers nearly all chat
 # and editor use. A larger `want_ctx` is honoured up to what fits.
 DEFAULT_CTX = 8192
-DRAFT_ROWS = 16  # drafts per slot a step may verify (SpecConfig.draft_max: prompt lookup is on by default)
+DRAFT_ROWS = 16  # drafts per slot a step may verify, by default (SpecConfig.draft_max; prompt lookup is on)
 DEFAULT_UBATCH = 512
 DEFAULT_SLOTS = 4
 # Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
@@ -100,15 +100,17 @@ def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16", n_ctx: int | None 
     return kv_cache_bytes(info, n_ctx, kv_type, swa_full=swa_full, slots=slots, n_ubatch=n_ubatch) / n_ctx
 
 
-def compute_reserve(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH, slots: int = 1) -> int:
+def compute_reserve(info: ModelInfo, n_ubatch: int = DEFAULT_UBATCH, slots: int = 1,
+                    draft_max: int = DRAFT_ROWS) -> int:
     """Scratch memory llama.cpp reserves for one ubatch: the logits of the rows the engine asks them for (n_vocab
-    f32 each: one per slot and up to DRAFT_ROWS drafts each, the engine's n_outputs_max; 512 rows were 514.5 MiB on
-    gemma-3-270m with its 262k vocabulary), plus activations and output rows."""
+    f32 each: one per slot and up to draft_max drafts each, the engine's n_outputs_max; 512 rows were 514.5 MiB on
+    gemma-3-270m with its 262k vocabulary), plus activations, and the host's copy of those rows."""
     vocab = info.vocab_size or 32000
     embd = info.embedding_length or 4096
-    logits = vocab * min(n_ubatch, max(1, slots) * (1 + DRAFT_ROWS)) * 4
+    rows = min(n_ubatch, max(1, slots) * (1 + max(0, draft_max)))
+    logits = vocab * rows * 4
     activations = embd * n_ubatch * 4 * 8
-    outputs = vocab * 4 * max(1, slots)
+    outputs = vocab * 4 * rows
     return logits + activations + outputs + 16 * MiB
 
 
@@ -316,7 +318,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
              slots: int | None = None, want_ctx: int | None = None, gpu_layers: int | None = None,
              kv_type: str | None = None, threads: int | None = None, reserve_bytes: int | None = None,
              flash_attn: bool | None = None, swa_full: bool | None = None,
-             n_ubatch: int = DEFAULT_UBATCH, projector: ProjectorInfo | None = None) -> FitPlan:
+             n_ubatch: int = DEFAULT_UBATCH, projector: ProjectorInfo | None = None,
+             draft_max: int = DRAFT_ROWS) -> FitPlan:
     """Choose n_gpu_layers, n_ctx, KV type, flash attention and threads for `info` on this machine.
 
     Any argument given is an override and is kept as given (the plan warns when it cannot fit);
@@ -326,7 +329,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     counted where they will live: on the GPU when any layer is offloaded, else in RAM.
     `swa_full` None: a sliding-window model's SWA layers at full size (any cached prefix reusable as it is)
     where they fit, else at the window's size (as llama-server; reuse through checkpoints) before a smaller
-    context or a quantized cache, which change nothing of the answers.
+    context or a quantized cache, which change nothing of the answers. `draft_max`: the drafts per slot a step may
+    verify (0: no speculative decoding), whose logits the compute buffer holds.
     """
     slots_given = slots is not None
     slots = DEFAULT_SLOTS if slots is None else slots
@@ -351,7 +355,7 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     # One GPU: the one with the most free memory. (Splitting across GPUs is llama.cpp's job and
     # not planned here; the plan stays conservative with one.)
     gpu = max(gpus, key=lambda d: d.free_bytes) if gpus else None
-    compute = reserve_bytes if reserve_bytes is not None else compute_reserve(info, n_ubatch, slots)
+    compute = reserve_bytes if reserve_bytes is not None else compute_reserve(info, n_ubatch, slots, draft_max)
     p_weights = projector.weights_bytes if projector is not None else 0
     p_compute = projector_reserve(projector) if projector is not None else 0
     pl = _Planner(info, ram_available, gpu, slots, swa_full is not False, n_ubatch, compute, p_weights + p_compute)

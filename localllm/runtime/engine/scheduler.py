@@ -91,6 +91,8 @@ class Engine(ThreadSubmit):
         # rows with logits a step needs: one per slot (its next token, or its prompt's last), and drafts: as many as
         # every slot drafting the engine's draft_max at once (a request asking for more gets what is left)
         drafts = spec.draft_max if spec is not None and spec.enabled else 0
+        if self.model.recurrent and spec is not None and spec.optional:
+            drafts = 0  # make_drafter drops drafting nobody asked for where the memory cannot drop drafts
         self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch,
                            n_ubatch=n_ubatch, n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full, n_outputs_max=slots * (1 + drafts))

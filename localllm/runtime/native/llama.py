@@ -474,8 +474,9 @@ class Context:
         # rows with logits per decode (None: every row of a batch). llama.cpp reserves the logits of that many rows
         # (n_vocab floats each: 512 rows of gemma-3's 262k vocabulary are 512 MiB of a 514 MiB compute buffer) and
         # aborts the process on a batch asking for more (decode refuses it first); at least one per sequence
-        self.n_outputs_max = max(n_seq_max, min(n_outputs_max, n_batch)) if n_outputs_max else n_batch
-        p.n_outputs_max = self.n_outputs_max if n_outputs_max else 0
+        limit = n_outputs_max and not embeddings  # an embedding context outputs every token, marked or not
+        self.n_outputs_max = max(n_seq_max, min(n_outputs_max, n_batch)) if limit else n_batch
+        p.n_outputs_max = self.n_outputs_max if limit else 0
         threads = n_threads or os.cpu_count() or 4
         p.n_threads = threads
         p.n_threads_batch = n_threads_batch or threads
