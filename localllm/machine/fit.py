@@ -377,9 +377,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     else:
         target = max(CTX_STEP, min(trained or DEFAULT_CTX, DEFAULT_CTX) // CTX_STEP * CTX_STEP)
     kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
-    # (KV type, SWA layers at full size) in order of preference: the window's size before a quantized cache
+    # SWA layers at full size, in order of preference: the window's size before a quantized cache
     layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
-    candidates = [(kvt, full) for kvt in kv_candidates for full in layouts]
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
     for kvt in kv_candidates:  # per KV type, the layout that fits with the most layers on the GPU (ties: full size)
@@ -398,10 +397,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         why_ctx, why_kv = f"asked for {want_ctx}", "the smallest allowed; the context does not fit even so"
         warnings.append(f"context {target} does not fit in memory even with a {chosen_kv} KV cache")
     else:
-        best = []
-        for kvt, full in candidates:
-            pl.swa_full = full
-            best.append((pl.max_ctx(CTX_STEP, target, kvt, ngl), kvt, full))
+        best = [(_with_layout(pl, full).max_ctx(CTX_STEP, target, kvt, ngl), kvt, full)
+                for kvt in kv_candidates for full in layouts]
         found = [b for b in best if b[0] is not None]
         if found:
             n_ctx, chosen_kv, pl.swa_full = max(found, key=lambda b: b[0])  # ties keep the earlier (preferred)
@@ -412,16 +409,16 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
             n_ctx, chosen_kv, pl.swa_full = CTX_STEP, kv_candidates[0], layouts[0]
             why_ctx = why_kv = "the model does not fit at any context size"
     assert chosen_kv is not None
+    ev = pl.evaluate(n_ctx, chosen_kv, ngl)
     if swa_full is not None or not info.sliding_window:
         why_swa = "given" if swa_full is not None else "no sliding-window layers"
     elif pl.swa_full:
         why_swa = "full size: any cached prefix is reused as it is"
     else:
-        full_ngl = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
+        full = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
         why_swa = ("the window's size, as llama-server: full-size sliding-window layers "
-                   + (f"leave room for {full_ngl.ngl} layers on the GPU, not {pl.evaluate(n_ctx, chosen_kv, ngl).ngl}"
-                      if full_ngl.fits else f"do not fit {n_ctx} tokens") + "; prefixes are reused through checkpoints")
-    ev = pl.evaluate(n_ctx, chosen_kv, ngl)
+                   + (f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.fits
+                      else f"do not fit {n_ctx} tokens") + "; prefixes are reused through checkpoints")
     if not ev.fits:
         if ev.ram_needed > ram_available:
             warnings.append(f"needs {gib(ev.ram_needed)} RAM but {gib(ram_available)} is available:"

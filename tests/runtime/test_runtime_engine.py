@@ -271,6 +271,8 @@ def test_cache_reuse_moves_nothing_whose_sliding_window_cells_are_gone(tmp_path:
     The cells are dropped by hand here (a seq_rm of the oldest positions), as llama.cpp drops them under load."""
     from tinymodel import make_tiny_gemma3_gguf
 
+    from localllm.runtime.cache.reuse import plan_moves
+
     path = make_tiny_gemma3_gguf(tmp_path / "gemma3.gguf")  # a 32-token window
     rng = random.Random(5)
     a, b, c = ([rng.randrange(1, 250) for _ in range(n)] for n in (40, 30, 100))
@@ -278,9 +280,11 @@ def test_cache_reuse_moves_nothing_whose_sliding_window_cells_are_gone(tmp_path:
     with Engine(path, n_ctx=1024, slots=1, threads=2, state_cache_bytes=0, cache_reuse=16) as e:
         e.generate(Request(a + b + c, GREEDY, max_tokens=4))
         got: list[int] = []
-        e._control(lambda: got.append(e._moves(e.slots[0], prompt, 40, 16, len(prompt) - 1)[0]), 10)
+        e._control(lambda: got.append(plan_moves(e.ctx, e.slots[0], e.slots, prompt, 40, 16, len(prompt) - 1, 32)[0]),
+                   10)
         e._control(lambda: e.ctx.seq_rm(0, 0, 100), 10)  # the next token needs new 69..99, old 99..129
-        e._control(lambda: got.append(e._moves(e.slots[0], prompt, 40, 16, len(prompt) - 1)[0]), 10)
+        e._control(lambda: got.append(plan_moves(e.ctx, e.slots[0], e.slots, prompt, 40, 16, len(prompt) - 1, 32)[0]),
+                   10)
     assert got == [100, 40]
 
 

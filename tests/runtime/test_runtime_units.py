@@ -92,7 +92,7 @@ def test_timings_rates() -> None:
 
 
 def test_shifted_chunks_are_llama_servers_cache_reuse() -> None:
-    from localllm.runtime.cache.prefix import shifted_chunks
+    from localllm.runtime.cache.reuse import shifted_chunks
 
     cache = [1, 2, 3, 9, 9, 4, 5, 6, 7, 8, 8, 10, 11, 12, 13]
     prompt = [1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 99]

@@ -26,30 +26,6 @@ def worth_reusing(n: int, n_prompt: int) -> bool:
     return n >= 64 or 10 * n > n_prompt
 
 
-def shifted_chunks(cache: Sequence[int], prompt: Sequence[int], n: int, min_chunk: int,
-                   cap: int) -> list[tuple[int, int, int]]:
-    """llama-server's --cache-reuse: after a common prefix of n tokens, the runs of at least min_chunk cached
-    tokens that the prompt continues with, once the cached tokens before each run are dropped — the prompt
-    deleted them (a trimmed history, an editor's context chunk gone). Each (c, p, k): move the cached positions
-    [c, c + k) to [p, p + k). The runs cover the prompt from n without gaps, and end by `cap`.
-
-    Approximate: a moved run's KV was computed after the tokens that were dropped before it; only its positions
-    change (a RoPE shift), so the answers may differ from a fresh prefill's. Off unless asked for."""
-    moves = []
-    c = p = n
-    while len(cache) - c >= min_chunk and cap - p >= min_chunk:
-        # a whole min_chunk compared at once (C speed) before the run is extended token by token
-        if cache[c] != prompt[p] or cache[c:c + min_chunk] != prompt[p:p + min_chunk]:
-            c += 1
-            continue
-        k = min_chunk
-        while c + k < len(cache) and p + k < cap and cache[c + k] == prompt[p + k]:
-            k += 1
-        moves.append((c, p, k))
-        c, p = c + k, p + k
-    return moves
-
-
 RECURRENT = -1
 """The `n_swa` of a recurrent or hybrid memory (see kv_holds)."""
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.cache.parking import Parking, open_disk_tier
-from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, shifted_chunks, worth_reusing
+from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, worth_reusing
+from localllm.runtime.cache.reuse import Moves, apply_moves, plan_moves
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
 from localllm.runtime.engine.prefill_split import (
@@ -279,20 +280,19 @@ class Engine(ThreadSubmit):
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
         """Mean-pooled, normalized embeddings from a second context on this model (made on first use)."""
-        from localllm.runtime.native.embed import Embedder
+        from localllm.runtime.native.embed import Embedder, check_texts
 
+        check_texts(texts)
         with self._embed_lock:
             if self._stop:
                 raise EngineError("the engine is closed")
             if self._embedder is None:
                 self._embedder = Embedder(self.model, threads=self.ctx.n_threads)
             embedder = self._embedder
-        if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidInput("input must be a string or a non-empty list of strings")
-        out: list[Embeddings] = []
+        out: list[tuple[list[float], int]] = []
         for i, text in enumerate(texts):  # on the scheduler thread, between steps (see __init__): one at a time
-            self._control(lambda i=i, text=text: out.append(embedder.embed([text], first=i)), None)
-        return Embeddings([v for e in out for v in e.vectors], [n for e in out for n in e.tokens])
+            self._control(lambda i=i, text=text: out.append(embedder.embed_one(text, i)), None)
+        return Embeddings([v for v, _ in out], [n for _, n in out])
 
     def status(self) -> dict[str, Any] | None:
         return None  # no process or upstream of its own to report
@@ -427,14 +427,14 @@ class Engine(ThreadSubmit):
         editor = job.request.editor
         reuse = self._cache_reuse if job.request.cache_reuse is None else job.request.cache_reuse
         shifting = reuse > 0 and self.ctx.can_shift and not self._checkpointing and not spans
-        moves: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # slot id → _moves, once per admission
+        moves: dict[int, tuple[int, Moves]] = {}  # slot id → plan_moves, once per admission
 
         def held(s: Slot) -> int:  # what s would serve, moved runs included
             n_s = self._reusable(s, prompt, cap, spans)
             if not shifting:
                 return n_s
             if s.id not in moves:
-                moves[s.id] = self._moves(s, prompt, n_s, reuse, cap)
+                moves[s.id] = plan_moves(self.ctx, s, self.slots, prompt, n_s, reuse, cap, self._n_swa)
             return moves[s.id][0]
 
         dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
@@ -477,8 +477,11 @@ class Engine(ThreadSubmit):
             # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
             n = 0
-        if shifting and used == "slot" and n < len(dst.tokens):
-            n = self._shift_chunks(dst, prompt, n, self._moves(dst, prompt, n, reuse, cap)[1])
+        if shifting and used == "slot" and n < len(dst.tokens) and moves[dst.id][1]:
+            n = apply_moves(self.ctx, dst, self.slots, prompt, n, moves[dst.id][1])
+            if self._drafter is not None:
+                self._drafter.forget(dst.id)
+            self._counters["shifted_chunks"] += len(moves[dst.id][1])
         if n < len(dst.tokens):
             if not self.ctx.seq_rm(dst.id, n, -1):  # partial removal refused (e.g. recurrent memory)
                 self.ctx.seq_rm(dst.id)
@@ -678,59 +681,6 @@ class Engine(ThreadSubmit):
                     self._take_checkpoint(s)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
-
-    def _moves(self, s: Slot, prompt: list[int], n: int, min_chunk: int,
-               cap: int) -> tuple[int, list[tuple[int, int, int]]]:
-        """The runs of s's history after its first n tokens that a prompt keeps (prefix.shifted_chunks, llama-server's
-        --cache-reuse), and the prefix s would hold once they are moved: (n, []) where none is; where a sliding
-        window's layers no longer hold the cells the next token would attend to once they are moved; and where a
-        generating slot shares cells that would move (a cell has one position, whichever sequences hold it)."""
-        if any(t < 0 for t in s.tokens):  # an image's embeddings: not moved
-            return n, []
-        # from the whole common prefix, even one too short to reuse alone (a BOS): the runs after it may be long
-        moves = shifted_chunks(s.tokens, prompt, max(n, min(common_prefix(s.tokens, prompt), cap)), min_chunk, cap)
-        if not moves:
-            return n, []
-        end = moves[-1][1] + moves[-1][2]
-        if self._n_swa > 0:  # SWA cells older than the window get purged: the new window must still be there
-            q = max(0, end - self._n_swa + 1)
-            old = next((c + q - p for c, p, k in moves if p <= q < p + k), q)
-            if old < self.ctx.seq_pos_min(s.id):
-                return n, []
-        if any(t.job is not None and common_prefix(s.tokens, t.tokens) > moves[0][0] for t in self.slots if t is not s):
-            return n, []
-        return end, moves
-
-    def _shift_chunks(self, s: Slot, prompt: list[int], n: int, moves: list[tuple[int, int, int]]) -> int:
-        """Move the runs `_moves` found (an approximate reuse: their KV was computed after the dropped tokens before
-        them); the prefix the slot holds now. Idle slots that may share the moved cells (a copied prefix) give up
-        their history from the first of them, as on a context shift."""
-        if not moves:
-            return n
-        first = moves[0][0]
-        for t in self.slots:
-            if t is not s and t.job is None and common_prefix(s.tokens, t.tokens) > first:
-                if self.ctx.seq_rm(t.id, first, -1):
-                    t.truncate(first)
-                else:
-                    self.ctx.seq_rm(t.id)
-                    t.reset()
-        try:
-            for c, p, k in moves:
-                if not self.ctx.seq_rm(s.id, p, c):
-                    raise EngineError("the KV cache refused to drop a range")
-                self.ctx.seq_add(s.id, c, c + k, p - c)
-        except EngineError:  # not expected where the cache can shift: start this slot over
-            self.ctx.seq_rm(s.id)
-            s.reset()
-            return 0
-        end = moves[-1][1] + moves[-1][2]
-        self.ctx.seq_rm(s.id, end, -1)
-        s.reset(list(prompt[:end]))  # positions moved
-        if self._drafter is not None:
-            self._drafter.forget(s.id)
-        self._counters["shifted_chunks"] += len(moves)
-        return end
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)

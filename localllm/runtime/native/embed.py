@@ -15,12 +15,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from localllm.errors import EngineError, InvalidInput
-from localllm.runtime.api import EMBED_CTX, Embeddings
+from localllm.runtime.api import EMBED_CTX
 from localllm.runtime.native.llama import Batch, Context, Model, clean_text
 
 
+def check_texts(texts: Sequence[str]) -> None:
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise InvalidInput("input must be a string or a non-empty list of strings")
+
+
 class Embedder:
-    """One model's embedding context. embed() is serialized: one input at a time."""
+    """One model's embedding context. embed_one() is serialized: one input at a time."""
 
     def __init__(self, model: Model, *, n_ctx: int = EMBED_CTX, threads: int | None = None) -> None:
         n_ctx = min(n_ctx, model.n_ctx_train or n_ctx)
@@ -33,32 +38,26 @@ class Embedder:
         self._lock = threading.Lock()
         self._closed = False
 
-    def embed(self, texts: Sequence[str], first: int = 0) -> Embeddings:
-        """An L2-normalized vector and the token count for each text; `first`: the first one's index in the
-        request (for messages)."""
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidInput("input must be a string or a non-empty list of strings")
-        vectors, counts = [], []
+    def embed_one(self, text: str, index: int = 0) -> tuple[list[float], int]:
+        """An L2-normalized vector and the token count for one text; `index`: its place in the request (for
+        messages). The engine calls it on its scheduler thread, one input per call, between steps."""
         with self._lock:
             if self._closed:
                 raise EngineError("the model was unloaded during the embedding", "retry the request")
-            for i, text in enumerate(texts):
-                tokens = self.model.tokenize(clean_text(text))
-                if not tokens:
-                    raise InvalidInput(f"input[{first + i}] is empty after tokenization")
-                if len(tokens) > self.n_ctx:
-                    raise InvalidInput(f"input[{first + i}] is {len(tokens)} tokens, longer than the {self.n_ctx}-token "
-                                       "embedding context", "split the text into smaller pieces")
-                self.ctx.clear()
-                self._batch.clear()
-                for pos, tok in enumerate(tokens):
-                    self._batch.add(tok, pos, 0, True)
-                self.ctx.decode(self._batch)
-                vec = self.ctx.embedding(0)
-                norm = float(np.linalg.norm(vec))
-                vectors.append([float(x) for x in (vec / norm if norm > 0 else vec)])
-                counts.append(len(tokens))
-        return Embeddings(vectors, counts)
+            tokens = self.model.tokenize(clean_text(text))
+            if not tokens:
+                raise InvalidInput(f"input[{index}] is empty after tokenization")
+            if len(tokens) > self.n_ctx:
+                raise InvalidInput(f"input[{index}] is {len(tokens)} tokens, longer than the {self.n_ctx}-token "
+                                   "embedding context", "split the text into smaller pieces")
+            self.ctx.clear()
+            self._batch.clear()
+            for pos, tok in enumerate(tokens):
+                self._batch.add(tok, pos, 0, True)
+            self.ctx.decode(self._batch)
+            vec = self.ctx.embedding(0)
+            norm = float(np.linalg.norm(vec))
+            return [float(x) for x in (vec / norm if norm > 0 else vec)], len(tokens)
 
     def close(self) -> None:
         with self._lock:
