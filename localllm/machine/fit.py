@@ -29,6 +29,10 @@ DEFAULT_CTX = 8192
 DRAFT_ROWS = 16  # drafts per slot a step may verify, by default (SpecConfig.draft_max; prompt lookup is on)
 DEFAULT_UBATCH = 512
 DEFAULT_SLOTS = 4
+# Full-size sliding-window layers are chosen (swa_full unset) only where they add at most this share of the weights'
+# size to the window layout's KV: gemma-3-270m keeps them at 8 192 tokens (+83 MiB) but not at 32 768 (+442 MiB,
+# more than the model), where llama-server and Ollama hold only the window.
+FULL_SWA_SHARE = 0.5
 # Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
 RAM_HEADROOM = 256 * MiB
 # Left free on a GPU for the driver, CUDA context and fragmentation.
@@ -328,7 +332,7 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     `projector`: the model's vision projector, whose weights and one image's scratch (projector_reserve) are
     counted where they will live: on the GPU when any layer is offloaded, else in RAM.
     `swa_full` None: a sliding-window model's SWA layers at full size (any cached prefix reusable as it is)
-    where they fit, else at the window's size (as llama-server; reuse through checkpoints) before a smaller
+    where they fit and add at most FULL_SWA_SHARE of the weights' size, else at the window's size (as llama-server; reuse through checkpoints) before a smaller
     context or a quantized cache, which change nothing of the answers. `draft_max`: the drafts per slot a step may
     verify (0: no speculative decoding), whose logits the compute buffer holds.
     """
@@ -379,6 +383,11 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
     # SWA layers at full size, in order of preference: the window's size before a quantized cache
     layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
+    full_extra = (kv_cache_bytes(info, target, kv_type or "f16", swa_full=True, slots=slots, n_ubatch=n_ubatch)
+                  - kv_cache_bytes(info, target, kv_type or "f16", swa_full=False, slots=slots, n_ubatch=n_ubatch))
+    too_dear = len(layouts) == 2 and full_extra > FULL_SWA_SHARE * info.size_bytes
+    if too_dear:
+        layouts = [False]
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
     for kvt in kv_candidates:  # per KV type, the layout that fits with the most layers on the GPU (ties: full size)
@@ -417,7 +426,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     else:
         full = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
         why_swa = ("the window's size, as llama-server: full-size sliding-window layers "
-                   + (f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.fits
+                   + (f"would add {gib(full_extra)}, more than half the weights' {gib(info.size_bytes)}"
+                      if too_dear else f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.fits
                       else f"do not fit {n_ctx} tokens") + "; prefixes are reused through checkpoints")
     if not ev.fits:
         if ev.ram_needed > ram_available:

@@ -97,7 +97,7 @@ def test_sliding_window_layers_shrink_to_the_window_only_where_full_size_ones_do
 def test_sliding_window_layers_shrink_where_that_puts_more_layers_on_the_gpu() -> None:
     """With a GPU, full-size SWA layers "fit" by leaving layers on the CPU; the window's size is chosen where it
     offloads more of them (a GPU layer is worth more than reusing any prefix as it is)."""
-    info = synth(arch="gemma3", layers=18, kv_heads=8, head=256, swa=512)
+    info = synth(arch="gemma3", layers=18, kv_heads=8, head=256, swa=512, layer_bytes=400 * MiB)  # SWA: +3.5 GiB
 
     def gpu(free: int) -> list[Device]:
         return [CPU_ONLY[0], Device("Test GPU", "gpu", free, free)]
@@ -112,6 +112,21 @@ def test_sliding_window_layers_shrink_where_that_puts_more_layers_on_the_gpu() -
     assert forced.n_gpu_layers < 19 and (auto.swa_full, auto.n_gpu_layers, auto.kv_type) == (False, 19, "f16")
     assert "layers on the GPU" in auto.choices["swa_full"].reason
     assert plan_fit(info, ram_available=64 * GiB, devices=gpu(big), want_ctx=32768).swa_full
+
+
+def test_full_size_sliding_window_layers_only_where_they_cost_less_than_half_the_weights() -> None:
+    """Memory that fits is not free: at a long context full-size SWA layers are left to the window's size (as
+    llama-server and Ollama run them) once they would add more than half the weights' size."""
+    small = synth(arch="gemma3", layers=18, kv_heads=1, head=256, swa=512, layer_bytes=12 * MiB, other=20 * MiB)
+    # 15 SWA layers × 1 KiB per token: +82.5 MiB at 8 192 tokens, +442.5 MiB at 32 768; weights 236 MiB
+    assert plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=8192).swa_full
+    long = plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768)
+    assert (long.swa_full, long.n_ctx, long.kv_type) == (False, 32768, "f16")
+    assert "would add 442.5 MiB" in long.choices["swa_full"].reason
+    assert plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768, swa_full=True).swa_full
+    # the same shape with 2.3 GB of weights keeps them at 32 768 tokens
+    assert plan_fit(synth(arch="gemma3", layers=18, kv_heads=1, head=256, swa=512), ram_available=64 * GiB,
+                    devices=CPU_ONLY, want_ctx=32768).swa_full
 
 
 @pytest.mark.slow
@@ -131,6 +146,7 @@ def test_real_gemma_plan(gemma: ModelInfo) -> None:
     rows = dict(fit_rows(plan))
     assert rows["fits"] == "yes" and "chosen" in rows["n_ctx"]
     json.dumps(plan.as_dict())
+    assert plan.swa_full and not plan_fit(gemma, ram_available=8 * GiB, devices=CPU_ONLY, want_ctx=32768).swa_full
 
     tiny = plan_fit(gemma, ram_available=300 * MiB, devices=CPU_ONLY)
     assert not tiny.fits and tiny.n_ctx == 256
