@@ -1,7 +1,7 @@
 """A sliding-window model's KV memory and a regenerated reply, with the SWA layers at full size and at the
 window's size (issue 32), against llama-server's default memory.
 
-For each mode, in a fresh process: RSS after loading gemma-3-270m with --ctx tokens shared by 4 slots and one
+For each mode (the layout the fit plan chooses by default, full size, the window's), in a fresh process: RSS after loading gemma-3-270m with --ctx tokens shared by 4 slots and one
 3 000-token prompt; then a ~1 600-token chat prompt, a long reply that moves the window past it, and the same
 prompt again (a regenerated reply): its TTFT against the cold one, the tokens reused, whether the text repeats.
 
@@ -81,12 +81,17 @@ def main() -> None:
     if a.mode:
         print(json.dumps(one_mode(model, a.ctx, a.mode == "full")))
         return
+    from localllm.machine.fit import plan_fit
+    from localllm.models.gguf_meta import model_info
+
+    default = "full" if plan_fit(model_info(Path(model)), want_ctx=a.ctx, slots=4).swa_full else "window"
     print(f"{'':<34} {'RSS MiB':>8} {'cold ms':>8} {'regen ms':>9} {'reused':>12} {'same text':>9}")
     for mode in ("full", "window"):
         out = subprocess.run([sys.executable, __file__, "--mode", mode, "--ctx", str(a.ctx), "--model", model],
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         r = json.loads(out)
-        print(f"{'localllm, swa_full ' + ('true' if mode == 'full' else 'false'):<34} {r['rss_mib']:>8.0f} "
+        label = f"localllm, swa_full {'true' if mode == 'full' else 'false'}{' (default)' if mode == default else ''}"
+        print(f"{label:<34} {r['rss_mib']:>8.0f} "
               f"{r['cold_ttft_ms']:>8.0f} {r['regen_ttft_ms']:>9.0f} {r['regen_cached']:>5.0f} of {r['prompt']:<4.0f} "
               f"{'yes' if r['same_text'] else 'no':>9}")
     if a.llama_server:

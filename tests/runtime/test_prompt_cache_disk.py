@@ -36,6 +36,31 @@ def test_states_survive_a_new_index_and_pick_the_longest_prefix(tmp_path: Path) 
     assert again.put([1, 2], b"x", 0) is False  # shorter than min_tokens: not worth a file
 
 
+def test_the_writer_waits_while_the_engine_computes(tmp_path: Path) -> None:
+    """A write beside a decode stalls llama.cpp's threads where they have every core: states queued while the
+    engine is busy reach the disk once it is quiet."""
+    d = DiskStates(tmp_path, 64 << 20, min_tokens=4)
+    d.quiet.clear()
+    assert d.put(list(range(8)), b"S" * (3 << 20), 0)
+    d.flush(timeout=0.5)
+    assert not d.holds(list(range(8))) and not list(tmp_path.glob("*.state"))
+    d.quiet.set()
+    d.flush()
+    assert d.holds(list(range(8))) and d.load(tuple(range(8))) == b"S" * (3 << 20)
+    d.close()
+
+
+def test_the_engine_holds_disk_writes_while_a_request_runs(tiny_path: Path, tmp_path: Path) -> None:
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, min_park_tokens=32,
+                disk_cache=(str(tmp_path / "cache"), 64 << 20)) as e:
+        disk = e._parked.disk
+        assert disk is not None and disk.quiet.is_set()
+        stream = e.submit(Request(e.tokenize("alpha beta " * 30), GREEDY, max_tokens=40, ignore_eos=True))
+        seen = [disk.quiet.is_set() for chunk in stream if chunk.text]
+        assert seen and not any(seen[:-1])  # the last chunk may be read after the job ended
+        assert disk.quiet.wait(5)
+
+
 def test_a_damaged_file_is_dropped_not_loaded(tmp_path: Path) -> None:
     d = DiskStates(tmp_path, 1 << 20, min_tokens=4)
     d.put(list(range(8)), b"S" * 64, 0)

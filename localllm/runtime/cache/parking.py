@@ -129,6 +129,14 @@ class Parking:
                 and len(s.tokens) >= self.min_tokens] if self.enabled else []
         return max(todo, key=lambda s: s.last_used, default=None)
 
+    def engine_busy(self, busy: bool) -> None:
+        """Whether the engine is about to compute: the disk tier writes only while it is not."""
+        if self.disk is not None:
+            if busy:
+                self.disk.quiet.clear()
+            else:
+                self.disk.quiet.set()
+
     def park_ahead(self, slot: Slot) -> None:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes."""

@@ -347,6 +347,7 @@ class Engine(ThreadSubmit):
     def _loop(self) -> None:
         while not self._stop:
             busy = bool(self._waiting) or any(s.job for s in self.slots)
+            self._parked.engine_busy(busy)
             ahead = None if busy else self._parked.ahead(self.slots)
             try:
                 if busy:
@@ -360,6 +361,8 @@ class Engine(ThreadSubmit):
                         self._parked.park_ahead(ahead)
                         continue
                 while True:
+                    if item is not None:
+                        self._parked.engine_busy(True)
                     if isinstance(item, Job):
                         self._waiting.append(item)
                     elif item is not None:
@@ -448,6 +451,10 @@ class Engine(ThreadSubmit):
         copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= max(n, held(dst)) + _REUSE_MIN
         # taken before parking dst can evict it; None from disk: the file failed its check (removed)
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
+        # before dst's restore or prefill: llama.cpp places new cells from the lowest freed one, and attention runs
+        # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
+        # leave a gap that every later step attends over
+        self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
             self._parked.park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
@@ -472,7 +479,6 @@ class Engine(ThreadSubmit):
                 self._parked.park(dst, keep=n)
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
-        self._parked.clear_idle(self.slots, dst)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
             # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
