@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -311,6 +312,20 @@ class _Planner:
         return a * CTX_STEP
 
 
+def _cheap_ctx(n: int | None, ok: Callable[[int], bool]) -> int | None:
+    """The largest multiple of CTX_STEP up to n where ok holds (ok holds up to some size, then never), or None."""
+    if n is None or ok(n):
+        return n
+    a, b = 0, n // CTX_STEP - 1
+    while a < b:
+        mid = (a + b + 1) // 2
+        if ok(mid * CTX_STEP):
+            a = mid
+        else:
+            b = mid - 1
+    return a * CTX_STEP if a and ok(a * CTX_STEP) else None
+
+
 def _with_layout(pl: _Planner, swa_full: bool) -> _Planner:
     """The planner with sliding-window layers at full size or at the window's (a shallow copy)."""
     other = copy.copy(pl)
@@ -383,16 +398,18 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
     # SWA layers at full size, in order of preference: the window's size before a quantized cache
     layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
-    full_extra = (kv_cache_bytes(info, target, kv_type or "f16", swa_full=True, slots=slots, n_ubatch=n_ubatch)
-                  - kv_cache_bytes(info, target, kv_type or "f16", swa_full=False, slots=slots, n_ubatch=n_ubatch))
-    too_dear = len(layouts) == 2 and full_extra > FULL_SWA_SHARE * info.size_bytes
-    if too_dear:
-        layouts = [False]
+
+    def full_extra(n: int, kvt: str) -> int:  # what full-size SWA layers add to the window's KV at n tokens
+        return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots, n_ubatch=n_ubatch)
+                - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots, n_ubatch=n_ubatch))
+
+    def allowed(full: bool, n: int, kvt: str) -> bool:  # chosen (not given) full size: only where it is cheap
+        return not (full and len(layouts) == 2) or full_extra(n, kvt) <= FULL_SWA_SHARE * info.size_bytes
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
     for kvt in kv_candidates:  # per KV type, the layout that fits with the most layers on the GPU (ties: full size)
         fitting = [(pl_eval.ngl, -i, full) for i, full in enumerate(layouts)
-                   if (pl_eval := _with_layout(pl, full).evaluate(target, kvt, ngl)).fits]
+                   if allowed(full, target, kvt) and (pl_eval := _with_layout(pl, full).evaluate(target, kvt, ngl)).fits]
         if fitting:
             chosen_kv, pl.swa_full = kvt, max(fitting)[2]
             break
@@ -402,11 +419,12 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         if chosen_kv == "q8_0" and not kv_type:
             why_kv = f"an f16 cache for {target} tokens does not fit in memory; q8_0 (about half) does"
     elif want_ctx is not None:
-        chosen_kv = kv_candidates[-1]
+        chosen_kv, pl.swa_full = kv_candidates[-1], layouts[-1]  # the smallest
         why_ctx, why_kv = f"asked for {want_ctx}", "the smallest allowed; the context does not fit even so"
         warnings.append(f"context {target} does not fit in memory even with a {chosen_kv} KV cache")
     else:
-        best = [(_with_layout(pl, full).max_ctx(CTX_STEP, target, kvt, ngl), kvt, full)
+        best = [(_cheap_ctx(_with_layout(pl, full).max_ctx(CTX_STEP, target, kvt, ngl),
+                            lambda n, full=full, kvt=kvt: allowed(full, n, kvt)), kvt, full)
                 for kvt in kv_candidates for full in layouts]
         found = [b for b in best if b[0] is not None]
         if found:
@@ -415,7 +433,7 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
             if chosen_kv == "q8_0" and not kv_type:
                 why_kv = f"q8_0 fits {n_ctx} tokens where f16 fits {max(b[0] or 0 for b in best if b[1] == 'f16')}"
         else:
-            n_ctx, chosen_kv, pl.swa_full = CTX_STEP, kv_candidates[0], layouts[0]
+            n_ctx, chosen_kv, pl.swa_full = CTX_STEP, kv_candidates[0], layouts[-1]
             why_ctx = why_kv = "the model does not fit at any context size"
     assert chosen_kv is not None
     ev = pl.evaluate(n_ctx, chosen_kv, ngl)
@@ -425,10 +443,12 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         why_swa = "full size: any cached prefix is reused as it is"
     else:
         full = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
+        extra = full_extra(n_ctx, chosen_kv)
         why_swa = ("the window's size, as llama-server: full-size sliding-window layers "
-                   + (f"would add {gib(full_extra)}, more than half the weights' {gib(info.size_bytes)}"
-                      if too_dear else f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.fits
-                      else f"do not fit {n_ctx} tokens") + "; prefixes are reused through checkpoints")
+                   + (f"would add {gib(extra)}, more than half the weights' {gib(info.size_bytes)}"
+                      if not allowed(True, n_ctx, chosen_kv) else f"do not fit {n_ctx} tokens" if not full.fits
+                      else f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.ngl < ev.ngl
+                      else "are no better where nothing fits") + "; prefixes are reused through checkpoints")
     if not ev.fits:
         if ev.ram_needed > ram_available:
             warnings.append(f"needs {gib(ev.ram_needed)} RAM but {gib(ram_available)} is available:"

@@ -78,6 +78,7 @@ class DiskStates:
         self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
         self._pending = 0
         self._pending_bytes = 0  # queued blobs are held in memory: bounded by max_queued_bytes
+        self._queued: set[tuple[int, ...]] = set()  # their keys: a state queued twice is written once
         self.max_queued_bytes = 256 << 20
         self._idle = threading.Condition(self._lock)
         # set while the engine computes nothing (Parking.engine_busy): the writer waits for it before each piece
@@ -116,9 +117,10 @@ class DiskStates:
         return len(self._index)
 
     def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether the state of exactly these tokens is stored (a write still queued does not count)."""
+        """Whether the state of exactly these tokens is stored or queued to be (no need to put it again)."""
+        key = tuple(tokens)
         with self._lock:
-            return tuple(tokens) in self._index
+            return key in self._index or key in self._queued
 
     @property
     def used(self) -> int:
@@ -171,22 +173,24 @@ class DiskStates:
             return False
         key = tuple(tokens)
         with self._lock:
-            if key in self._index:
+            if key in self._index or key in self._queued:
                 return True
             if self._pending_bytes + len(blob) > self.max_queued_bytes:  # the disk is behind: skip this one
                 return False
+            self._queued.add(key)
             self._pending += 1
             self._pending_bytes += len(blob)
         self._todo.put((key, blob, pos_min))
         return True
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued write is on disk."""
+        """Wait until every queued write is on disk; they are written now, whether the engine computes or not
+        (the scheduler loop holds them again from its next turn)."""
+        self.quiet.set()
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, timeout: float = 60.0) -> None:
-        self.quiet.set()  # nothing computes any more: write what is queued
         self.flush(timeout)
         self._todo.put(None)
         self._writer.join(timeout=1)
@@ -207,6 +211,7 @@ class DiskStates:
                 with self._idle:
                     self._pending -= 1
                     self._pending_bytes -= len(item[1])
+                    self._queued.discard(item[0])
                     self._idle.notify_all()
 
     def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:

@@ -453,8 +453,10 @@ class Engine(ThreadSubmit):
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
         # before dst's restore or prefill: llama.cpp places new cells from the lowest freed one, and attention runs
         # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
-        # leave a gap that every later step attends over
-        self._parked.clear_idle(self.slots, dst)
+        # leave a gap that every later step attends over. Not before a copy: parking writes checkpoints through the
+        # scratch sequence, whose window may take SWA cells of the source's prefix (the copy shares them, safe)
+        if not (gain and copy):
+            self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
             self._parked.park(dst, keep=0)
             self.ctx.seq_rm(dst.id)
@@ -479,6 +481,8 @@ class Engine(ThreadSubmit):
                 self._parked.park(dst, keep=n)
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
+        if gain and copy:
+            self._parked.clear_idle(self.slots, dst)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
             # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
