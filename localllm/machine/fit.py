@@ -31,7 +31,7 @@ DRAFT_ROWS = 16  # drafts per slot a step may verify, by default (SpecConfig.dra
 DEFAULT_UBATCH = 512
 DEFAULT_SLOTS = 4
 # Full-size sliding-window layers are chosen (swa_full unset) only where they add at most this share of the weights'
-# size to the window layout's KV: gemma-3-270m keeps them at 8 192 tokens (+83 MiB) but not at 32 768 (+442 MiB,
+# size to the window layout's KV: gemma-3-270m keeps them at 8 192 tokens (+75 MiB) but not at 32 768 (+435 MiB,
 # more than the model), where llama-server and Ollama hold only the window.
 FULL_SWA_SHARE = 0.5
 # Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
@@ -260,7 +260,8 @@ class _Planner:
         self.gpu_budget = max(0, gpu.free_bytes - GPU_HEADROOM) if gpu else 0
 
     def evaluate(self, n_ctx: int, kv_type: str, ngl: int | None) -> _Eval:
-        kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots,
+        # one sequence more than the slots: the engine's scratch for parked checkpoints keeps a window too
+        kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots + 1,
                             n_ubatch=self.n_ubatch)
         if ngl is None:
             ngl = self._auto_layers(kv)
@@ -400,8 +401,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
 
     def full_extra(n: int, kvt: str) -> int:  # what full-size SWA layers add to the window's KV at n tokens
-        return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots, n_ubatch=n_ubatch)
-                - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots, n_ubatch=n_ubatch))
+        return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots + 1, n_ubatch=n_ubatch)
+                - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots + 1, n_ubatch=n_ubatch))
 
     def allowed(full: bool, n: int, kvt: str) -> bool:  # chosen (not given) full size: only where it is cheap
         return not (full and len(layouts) == 2) or full_extra(n, kvt) <= FULL_SWA_SHARE * info.size_bytes
