@@ -97,12 +97,12 @@ class Settings:
     allow_image_urls: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
     # a sliding-window model's SWA layers: unset, at full context size (any cached prefix reusable as it is)
-    # where they fit in memory with as many GPU layers, else at the window's size (before a smaller context
-    # or a quantized cache); true, always full size; false, always the window's size, as llama-server's default
-    # (a fraction of the KV memory at long contexts), with checkpoints of each prompt's SWA layers so that a
-    # chat revisited with its reply trimmed stays warm. The window is not the default where memory allows: a client that edits an earlier
-    # message, or an editor's fill-in-the-middle request after an edit, reuses only up to the nearest
-    # checkpoint (docs/benchmarks.md, issue 32)
+    # where they fit in memory with as many GPU layers and add at most half the weights' size, else at the
+    # window's size (before a smaller context or a quantized cache); true, always full size; false, always the
+    # window's size, as llama-server's default (a fraction of the KV memory at long contexts), with checkpoints
+    # of each prompt's SWA layers so that a chat revisited with its reply trimmed stays warm. Full size where it
+    # is cheap: with the window, a client that edits an earlier message, or an editor's fill-in-the-middle
+    # request after an edit, reuses only up to the nearest checkpoint (docs/benchmarks.md, issue 32)
     swa_full: bool | None = None
     # llama-server's --cache-reuse N: after the prefix a prompt shares with a slot's history, runs of at least N
     # cached tokens the prompt keeps while dropping what came before them are moved (KV shift), not prefilled

@@ -37,7 +37,7 @@ def engine_kwargs(info: Any, *, slots: int | None = None, ctx: int | None = None
     workers ("host:port,..."): the plan offloads to them as to one GPU holding their reported memory.
     projector: the model's vision projector (models.gguf_meta.ProjectorInfo): the plan counts it, and the
     engine gets it as `mmproj`. swa_full: sliding-window layers at full size (False: the window's, as
-    llama-server; prefixes are then reused through checkpoints; None: full size where it fits). draft_max: drafts
+    llama-server; prefixes are then reused through checkpoints; None: the fit plan's choice). draft_max: drafts
     per slot a step may verify, 0 without speculative decoding (None: the plan's default)."""
     from localllm.machine.fit import plan_fit
 

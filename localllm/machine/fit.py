@@ -299,32 +299,20 @@ class _Planner:
             best = k
         return best
 
-    def max_ctx(self, lo: int, hi: int, kv_type: str, ngl: int | None) -> int | None:
-        """Largest multiple of 256 in [lo, hi] that fits, or None. Fit shrinks as n_ctx grows."""
-        if not self.evaluate(lo, kv_type, ngl).fits:
-            return None
-        a, b = lo // CTX_STEP, hi // CTX_STEP
-        while a < b:
-            mid = (a + b + 1) // 2
-            if self.evaluate(mid * CTX_STEP, kv_type, ngl).fits:
-                a = mid
-            else:
-                b = mid - 1
-        return a * CTX_STEP
 
-
-def _cheap_ctx(n: int | None, ok: Callable[[int], bool]) -> int | None:
-    """The largest multiple of CTX_STEP up to n where ok holds (ok holds up to some size, then never), or None."""
-    if n is None or ok(n):
-        return n
-    a, b = 0, n // CTX_STEP - 1
+def _largest_ctx(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Largest multiple of CTX_STEP in [lo, hi] where ok holds, or None; ok holds up to some size, then never
+    (fitting in memory, full-size SWA layers staying cheap)."""
+    if not ok(lo):
+        return None
+    a, b = lo // CTX_STEP, hi // CTX_STEP
     while a < b:
         mid = (a + b + 1) // 2
         if ok(mid * CTX_STEP):
             a = mid
         else:
             b = mid - 1
-    return a * CTX_STEP if a and ok(a * CTX_STEP) else None
+    return a * CTX_STEP
 
 
 def _with_layout(pl: _Planner, swa_full: bool) -> _Planner:
@@ -348,8 +336,9 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     `projector`: the model's vision projector, whose weights and one image's scratch (projector_reserve) are
     counted where they will live: on the GPU when any layer is offloaded, else in RAM.
     `swa_full` None: a sliding-window model's SWA layers at full size (any cached prefix reusable as it is)
-    where they fit and add at most FULL_SWA_SHARE of the weights' size, else at the window's size (as llama-server; reuse through checkpoints) before a smaller
-    context or a quantized cache, which change nothing of the answers. `draft_max`: the drafts per slot a step may
+    where they fit and add at most FULL_SWA_SHARE of the weights' size, else at the window's size (as
+    llama-server; reuse through checkpoints) before a smaller context or a quantized cache, which change nothing
+    of the answers. `draft_max`: the drafts per slot a step may
     verify (0: no speculative decoding), whose logits the compute buffer holds.
     """
     slots_given = slots is not None
@@ -398,14 +387,18 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         target = max(CTX_STEP, min(trained or DEFAULT_CTX, DEFAULT_CTX) // CTX_STEP * CTX_STEP)
     kv_candidates = [kv_type] if kv_type else ["f16", "q8_0"]
     # SWA layers at full size, in order of preference: the window's size before a quantized cache
-    layouts = [True, False] if swa_full is None and info.sliding_window else [swa_full is not False]
+    choosing = swa_full is None and bool(info.sliding_window)
+    layouts = [True, False] if choosing else [swa_full is not False]
 
     def full_extra(n: int, kvt: str) -> int:  # what full-size SWA layers add to the window's KV at n tokens
         return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots + 1, n_ubatch=n_ubatch)
                 - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots + 1, n_ubatch=n_ubatch))
 
-    def allowed(full: bool, n: int, kvt: str) -> bool:  # chosen (not given) full size: only where it is cheap
-        return not (full and len(layouts) == 2) or full_extra(n, kvt) <= FULL_SWA_SHARE * info.size_bytes
+    def cheap(n: int, kvt: str) -> bool:  # full size chosen (not given) only where it adds little
+        return full_extra(n, kvt) <= FULL_SWA_SHARE * info.size_bytes
+
+    def allowed(full: bool, n: int, kvt: str) -> bool:
+        return not (full and choosing) or cheap(n, kvt)
 
     chosen_kv, n_ctx, why_ctx, why_kv = None, target, "", ""
     for kvt in kv_candidates:  # per KV type, the layout that fits with the most layers on the GPU (ties: full size)
@@ -424,9 +417,11 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
         why_ctx, why_kv = f"asked for {want_ctx}", "the smallest allowed; the context does not fit even so"
         warnings.append(f"context {target} does not fit in memory even with a {chosen_kv} KV cache")
     else:
-        best = [(_cheap_ctx(_with_layout(pl, full).max_ctx(CTX_STEP, target, kvt, ngl),
-                            lambda n, full=full, kvt=kvt: allowed(full, n, kvt)), kvt, full)
-                for kvt in kv_candidates for full in layouts]
+        def largest(full: bool, kvt: str) -> int | None:  # the largest context this layout and KV type allow
+            lay = _with_layout(pl, full)
+            return _largest_ctx(CTX_STEP, target, lambda n: allowed(full, n, kvt) and lay.evaluate(n, kvt, ngl).fits)
+
+        best = [(largest(full, kvt), kvt, full) for kvt in kv_candidates for full in layouts]
         found = [b for b in best if b[0] is not None]
         if found:
             n_ctx, chosen_kv, pl.swa_full = max(found, key=lambda b: b[0])  # ties keep the earlier (preferred)
@@ -438,18 +433,22 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
             why_ctx = why_kv = "the model does not fit at any context size"
     assert chosen_kv is not None
     ev = pl.evaluate(n_ctx, chosen_kv, ngl)
-    if swa_full is not None or not info.sliding_window:
+    if not choosing:
         why_swa = "given" if swa_full is not None else "no sliding-window layers"
     elif pl.swa_full:
         why_swa = "full size: any cached prefix is reused as it is"
     else:
         full = _with_layout(pl, True).evaluate(n_ctx, chosen_kv, ngl)
-        extra = full_extra(n_ctx, chosen_kv)
-        why_swa = ("the window's size, as llama-server: full-size sliding-window layers "
-                   + (f"would add {gib(extra)}, more than half the weights' {gib(info.size_bytes)}"
-                      if not allowed(True, n_ctx, chosen_kv) else f"do not fit {n_ctx} tokens" if not full.fits
-                      else f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}" if full.ngl < ev.ngl
-                      else "are no better where nothing fits") + "; prefixes are reused through checkpoints")
+        if not cheap(n_ctx, chosen_kv):
+            why = f"would add {gib(full_extra(n_ctx, chosen_kv))}, more than half the weights' {gib(info.size_bytes)}"
+        elif not full.fits:
+            why = f"do not fit {n_ctx} tokens"
+        elif full.ngl < ev.ngl:
+            why = f"leave room for {full.ngl} layers on the GPU, not {ev.ngl}"
+        else:
+            why = "are no better where nothing fits"
+        why_swa = (f"the window's size, as llama-server: full-size sliding-window layers {why}; prefixes are reused"
+                   " through checkpoints")
     if not ev.fits:
         if ev.ram_needed > ram_available:
             warnings.append(f"needs {gib(ev.ram_needed)} RAM but {gib(ram_available)} is available:"

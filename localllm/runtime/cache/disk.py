@@ -23,7 +23,7 @@ import sys
 import threading
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,16 +217,14 @@ class DiskStates:
     def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:
         path = self.dir / _name(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        view, crc = memoryview(blob), 0
-        for i in range(0, len(blob), _PIECE):
-            self.quiet.wait()
-            crc = zlib.crc32(view[i:i + _PIECE], crc)
+        crc = 0
+        for piece in self._quiet_pieces(blob):
+            crc = zlib.crc32(piece, crc)
         with tmp.open("wb") as f:
             f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), crc))
             f.write(array("i", key).tobytes())
-            for i in range(0, len(blob), _PIECE):
-                self.quiet.wait()
-                f.write(view[i:i + _PIECE])
+            for piece in self._quiet_pieces(blob):
+                f.write(piece)
         os.replace(tmp, path)
         st = path.stat()
         with self._lock:
@@ -243,6 +241,13 @@ class DiskStates:
             if total <= self.budget:
                 break
             total -= self._remove(k)
+
+    def _quiet_pieces(self, blob: bytes) -> Iterator[memoryview]:
+        """`blob` in _PIECE slices, each handed out once the engine is quiet."""
+        view = memoryview(blob)
+        for i in range(0, len(blob), _PIECE):
+            self.quiet.wait()
+            yield view[i:i + _PIECE]
 
     def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> int:
         """Forget `key` and delete its file (the bytes freed); with `expect`, only if the index still holds

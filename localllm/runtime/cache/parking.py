@@ -130,8 +130,9 @@ class Parking:
         return max(todo, key=lambda s: s.last_used, default=None)
 
     def engine_busy(self, busy: bool) -> None:
-        """Whether the engine is about to compute: the disk tier writes only while it is not."""
-        if self.disk is not None:
+        """Whether the engine is about to compute: the disk tier writes only while it is not. Called every
+        scheduler turn: the event changes only when the answer does."""
+        if self.disk is not None and self.disk.quiet.is_set() == busy:
             if busy:
                 self.disk.quiet.clear()
             else:

@@ -38,7 +38,6 @@ def shifted_chunks(cache: Sequence[int], prompt: Sequence[int], n: int, min_chun
     return moves
 
 
-
 def plan_moves(ctx: Context, s: Slot, slots: Sequence[Slot], prompt: list[int], n: int, min_chunk: int, cap: int,
                n_swa: int) -> tuple[int, Moves]:
     """The runs of s's history after its first n tokens that a prompt keeps, and the prefix s would hold once they
