@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localllm.eval.reference import Reference, compare
 from localllm.runtime.engine.scheduler import Engine
 from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.types import GenerationParams, Request
@@ -155,3 +156,39 @@ def test_a_new_chat_sharing_the_system_prompt_continues_from_its_checkpoint(swa_
         r = e.generate(Request(chat2, GREEDY, max_tokens=8, ignore_eos=True, n_keep=len(system)))
     assert r.usage.cached_tokens == len(system) and r.timings.cache_tier == "slot"
     assert r.tokens == _fresh(swa_path, chat2, 8)
+
+
+def test_a_chat_turn_is_prefilled_in_one_decode_call_and_still_leaves_its_checkpoint(swa_path: Path) -> None:
+    """A prompt continuing a cached history is not cut 4 tokens before its end as a cold prompt is (llama-server's
+    cut, which leaves its checkpoint behind): one decode call fewer per chat turn. The checkpoint there is cut from
+    the scratch sequence right after the batch, and the same turn regenerated (its reply trimmed, the window moved
+    on) continues from it within the reference's tolerance."""
+    p = _prompt(7)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:  # parking on: the scratch sequence exists
+        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))
+        turn = p + first.tokens + list(range(40, 60))  # the reply, then the user's next 20 tokens
+        steps = e.stats()["steps"]
+        r = e.generate(Request(turn, GREEDY, max_tokens=GEN, ignore_eos=True))
+        prefill_steps = e.stats()["steps"] - steps - (GEN - 1)  # a step per generated token after the first
+        again = e.generate(Request(turn, GREEDY, max_tokens=12, ignore_eos=True))
+        st = e.stats()
+    assert r.usage.cached_tokens == len(p) + 7  # the last sampled token was never decoded
+    assert prefill_steps == 1  # 21 tokens in one batch; cut as a cold prompt: 17 + 4 in two
+    assert again.usage.cached_tokens == len(turn) - 4 and st["checkpoint_restores"] == 1
+    with Reference(swa_path, n_ctx=2048, threads=2) as ref:
+        for got in (r.tokens[:12], again.tokens):
+            v = compare(ref, turn, got, n=12, ignore_eos=True, tol=0.5)
+            assert v.ok, v
+
+
+def test_with_full_size_swa_layers_a_chat_turn_is_one_decode_call_too(swa_path: Path) -> None:
+    """Full-size SWA layers need no checkpoint: a continuation is one batch, with or without parking."""
+    p = _prompt(8)
+    for parking in ({"state_cache_bytes": 0}, {"min_park_tokens": 16}):
+        with Engine(swa_path, **{**KW, "swa_full": True}, slots=1, **parking) as e:
+            first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))
+            turn = p + first.tokens + list(range(40, 60))
+            steps = e.stats()["steps"]
+            r = e.generate(Request(turn, GREEDY, max_tokens=1))
+            assert r.usage.cached_tokens == len(p) + 7
+            assert e.stats()["steps"] - steps == 1

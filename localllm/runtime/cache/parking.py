@@ -109,19 +109,29 @@ class Parking:
             if to_ram:
                 self.ram.put(slot.tokens[:c], blob, pos_min)
 
-    def _cut_state(self, slot: Slot, c: int, swa: bytes | None = None) -> bytes | None:
+    def _cut_state(self, slot: Slot, c: int, swa: bytes | None = None, partial: bool = False) -> bytes | None:
         """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence;
-        `swa`: those SWA layers (or the recurrent state) from a checkpoint, where the memory keeps only the latest."""
+        `swa`: those SWA layers (or the recurrent state) from a checkpoint, where the memory keeps only the latest;
+        `partial`: the SWA layers alone (a checkpoint)."""
         assert self.scratch is not None
         self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
         try:
             if swa is not None:
                 self.ctx.state_seq_set(self.scratch, swa, partial=True)
-            return self.ctx.state_seq_get(self.scratch)
+            return self.ctx.state_seq_get(self.scratch, partial=partial)
         except LocalLLMError:
             return None
         finally:
             self.ctx.seq_rm(self.scratch)
+
+    def checkpoint_within(self, slot: Slot, c: int) -> bytes | None:
+        """A checkpoint of the slot's first c tokens (its SWA layers as they were then) taken after a batch that went
+        on past c, or None. llama.cpp overwrites a sequence's SWA cells only once they fall out of the window of its
+        last position before a batch, so right after the batch that holds position c, the window ending at c is
+        still there: no batch needs to end at c (a decode call saved, ~25 ms on gemma-3-270m)."""
+        if self.scratch is None or self.n_swa <= 0 or not kv_holds(self.ctx.seq_pos_min(slot.id), c, self.n_swa):
+            return None
+        return self._cut_state(slot, c, partial=True)
 
     def ahead(self, slots: list[Slot]) -> Slot | None:
         """The idle history to park next while the engine has nothing to do (most recently used first), if any."""

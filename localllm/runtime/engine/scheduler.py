@@ -111,6 +111,9 @@ class Engine(ThreadSubmit):
         self._window = self._n_swa > 0 and not swa_full
         # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
         self._checkpointing = self._window or self._n_swa == RECURRENT
+        # SWA layers' checkpoints cut from the scratch sequence after the batch that reached them (no batch need end
+        # there); a recurrent state, or a window without the scratch sequence, is checkpointed only at a batch's end
+        self._checkpoints_within = self._window and scratch is not None
         # llama-server's --cache-reuse: the smallest run of cached tokens moved to a new position after tokens
         # before it were dropped (0: off); per request Request.cache_reuse. Not where a cache cannot shift.
         self._cache_reuse = cache_reuse
@@ -502,9 +505,12 @@ class Engine(ThreadSubmit):
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
         dst.prompt_len, dst.editor, dst.parked_at = len(prompt), editor, -1
         job.pending = prompt[n:]
-        cut = self._cut_ubatch and job.request.prefill_cuts
+        # llama-server's cuts (its greedy output) for a cold prompt; none for a continuation of a cached history (a
+        # chat's next turn: a decode call saved) where no checkpoint needs a batch to end
+        uncut = n > 0 and self._n_swa > 0 and (self._checkpoints_within or not self._checkpointing)
+        cut = self._cut_ubatch and job.request.prefill_cuts and not uncut
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
-        if self._checkpointing:  # a batch ends where each checkpoint is taken
+        if self._checkpointing and not self._checkpoints_within:  # a batch ends at each checkpoint
             job.ends = with_cuts(job.ends, n, self._checkpoint_cuts(job), always=job.request.n_keep)
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
@@ -685,25 +691,31 @@ class Engine(ThreadSubmit):
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
-        if self._checkpointing:
-            for s, _ in prefilled:
-                if s.job is not None and len(s.tokens) in self._checkpoint_cuts(s.job):
-                    self._take_checkpoint(s)
+        if self._checkpointing:  # after the batch that reached each cut
+            for s, k in prefilled:
+                if s.job is not None:
+                    for cut in self._checkpoint_cuts(s.job):
+                        if len(s.tokens) - k < cut <= len(s.tokens):
+                            self._take_checkpoint(s, cut)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
 
-    def _take_checkpoint(self, s: Slot) -> None:
-        """Save the SWA layers of a prompt nearly prefilled (a window's worth of cells, ~8 MB on gemma-3-270m),
-        or its recurrent state, so that a later prompt sharing it — the same chat with its reply trimmed or
-        regenerated — continues from here after the window (or the state) has moved on."""
+    def _take_checkpoint(self, s: Slot, n: int) -> None:
+        """Save the SWA layers of a prompt's first n tokens (a window's worth of cells, ~8 MB on gemma-3-270m), or
+        its recurrent state, so that a later prompt sharing them — the same chat with its reply trimmed or
+        regenerated — continues from there after the window (or the state) has moved on. At the slot's end, or
+        within the batch just decoded (cut from the scratch sequence; a recurrent state only at its end)."""
         try:
-            s.checkpoint(len(s.tokens), self.ctx.state_seq_get(s.id, partial=True))
-            self._counters["checkpoints"] += 1
+            blob = (self.ctx.state_seq_get(s.id, partial=True) if n == len(s.tokens)
+                    else self._parked.checkpoint_within(s, n))
         except LocalLLMError:
-            pass  # a checkpoint is an optimisation: without it the prompt is prefilled again
+            blob = None  # a checkpoint is an optimisation: without it the prompt is prefilled again
+        if blob is not None:
+            s.checkpoint(n, blob)
+            self._counters["checkpoints"] += 1
 
     def _eval_image(self, s: Slot, span: prompt_media.Span) -> None:
         """Encode one image of a slot's prompt and decode its embeddings into the slot's sequence."""
