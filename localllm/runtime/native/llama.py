@@ -450,6 +450,20 @@ class SamplerChain:
             self.close()
 
 
+# Sequence states are 10 MB and more, saved and restored several times per request that parks or checkpoints:
+# llama.cpp writes a state straight into a new bytes object (the C API's PyBytes_FromStringAndSize(NULL, n), filled
+# before it is returned) and reads one in place, where a ctypes array cost a zeroing and a copy each way (10.4 MiB of
+# gemma-3-270m: get 2.2 → 0.9 ms, set 2.5 → 1.2 ms).
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+def _bytes_ptr(data: bytes) -> Any:
+    """A uint8 pointer to a bytes object's own buffer (no copy; it keeps the object alive)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+
+
 class Context:
     """A llama_context with n_seq_max sequences over one unified KV cache. Owned by one thread."""
 
@@ -572,16 +586,15 @@ class Context:
         layers, a recurrent state) — a checkpoint, restored over the full layers' cells kept in place."""
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         size = lc.llama_state_seq_get_size_ext(self._p, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        n = lc.llama_state_seq_get_data_ext(self._p, buf, size, seq, flags)
+        data = _new_bytes(None, size)  # written once here, before anything else sees it
+        n = lc.llama_state_seq_get_data_ext(self._p, _bytes_ptr(data), size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")
-        return bytes(buf)
+        return data
 
     def state_seq_set(self, seq: int, data: bytes, *, partial: bool = False) -> None:
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if lc.llama_state_seq_set_data_ext(self._p, buf, len(data), seq, flags) == 0:
+        if lc.llama_state_seq_set_data_ext(self._p, _bytes_ptr(data), len(data), seq, flags) == 0:
             raise EngineError(f"restoring sequence {seq} state failed")
 
     def close(self) -> None:
