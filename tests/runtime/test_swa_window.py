@@ -192,3 +192,15 @@ def test_with_full_size_swa_layers_a_chat_turn_is_one_decode_call_too(swa_path: 
             r = e.generate(Request(turn, GREEDY, max_tokens=1))
             assert r.usage.cached_tokens == len(p) + 7
             assert e.stats()["steps"] - steps == 1
+
+
+def test_a_turn_ended_by_its_first_token_still_leaves_its_checkpoints(swa_path: Path) -> None:
+    """max_tokens=1 (or an end token, or a stop string first) ends the job while its last batch is sampled; the
+    checkpoints inside that batch are still taken, for the slot keeps the prompt."""
+    p = _prompt(11)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:
+        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))
+        turn = p + first.tokens + list(range(40, 60))
+        e.generate(Request(turn, GREEDY, max_tokens=1))
+        e._control(lambda: None, 10)  # the reply is out before the step ends: wait for the scheduler's next turn
+        assert len(turn) - 4 in [c.n for c in e.slots[0].checkpoints]

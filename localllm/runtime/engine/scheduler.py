@@ -623,7 +623,7 @@ class Engine(ThreadSubmit):
         # chunked prefill of pending prompts within what is left of n_batch; while streams generate, at
         # most prefill_chunk per step, so that their next token does not wait for a whole batch of prompt
         room = min(batch.free, self.prefill_chunk) if n_gen else batch.free
-        prefilled: list[tuple[Slot, int]] = []  # slot, its prompt tokens in this batch
+        prefilled: list[tuple[Slot, int, Job]] = []  # slot, its prompt tokens in this batch, their job
         for s in sorted((s for s in self.slots if s.job and s.job.pending), key=lambda s: s.job.t_admit):
             job = s.job
             if room <= 0:
@@ -642,7 +642,7 @@ class Engine(ThreadSubmit):
                 row = batch.add(tok, len(s.tokens), s.id, last and i == len(take) - 1)
                 s.tokens.append(tok)
             job.pending = job.pending[len(take):]
-            prefilled.append((s, len(take)))
+            prefilled.append((s, len(take), job))
             if last:
                 rows.append((s, [row], [], len(s.tokens) - 1))
         if batch.n_tokens == 0:
@@ -669,9 +669,9 @@ class Engine(ThreadSubmit):
         c["busy_slots"] += busy
         c["n_tokens_max"] = max(c["n_tokens_max"], max(len(s.tokens) for s, *_ in undo))
         # counted once decoded (a batch rolled back for want of KV room is prefilled again)
-        c["prefill_tokens"] += sum(n for _, n in prefilled)
+        c["prefill_tokens"] += sum(n for _, n, _ in prefilled)
         now = time.perf_counter()
-        for s, _ in prefilled:  # progress updates go out before the first token
+        for s, *_ in prefilled:  # progress updates go out before the first token
             job = s.job
             if job is not None and job.request.progress:
                 job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
@@ -692,11 +692,10 @@ class Engine(ThreadSubmit):
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
         if self._checkpointing:  # after the batch that reached each cut
-            for s, k in prefilled:
-                if s.job is not None:
-                    for cut in self._checkpoint_cuts(s.job):
-                        if len(s.tokens) - k < cut <= len(s.tokens):
-                            self._take_checkpoint(s, cut)
+            for s, k, job in prefilled:  # the job's, even where its first token ended it (a failure drops the slot)
+                for cut in self._checkpoint_cuts(job):
+                    if len(s.tokens) - k < cut <= len(s.tokens):
+                        self._take_checkpoint(s, cut)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
 
