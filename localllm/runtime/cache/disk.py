@@ -217,14 +217,15 @@ class DiskStates:
     def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:
         path = self.dir / _name(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        crc = 0
-        for piece in self._quiet_pieces(blob):
-            crc = zlib.crc32(piece, crc)
-        with tmp.open("wb") as f:
-            f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), crc))
+        with tmp.open("wb") as f:  # the blob in one pass, checksummed as it is written; the header last
+            f.seek(_HEAD.size)
             f.write(array("i", key).tobytes())
+            crc = 0
             for piece in self._quiet_pieces(blob):
+                crc = zlib.crc32(piece, crc)
                 f.write(piece)
+            f.seek(0)
+            f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), crc))
         os.replace(tmp, path)
         st = path.stat()
         with self._lock:

@@ -111,9 +111,9 @@ class Engine(ThreadSubmit):
         self._window = self._n_swa > 0 and not swa_full
         # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
         self._checkpointing = self._window or self._n_swa == RECURRENT
-        # SWA layers' checkpoints cut from the scratch sequence after the batch that reached them (no batch need end
-        # there); a recurrent state, or a window without the scratch sequence, is checkpointed only at a batch's end
-        self._checkpoints_within = self._window and scratch is not None
+        # a batch ends at each checkpoint: a recurrent state, or a window without the scratch sequence (with it, SWA
+        # layers' checkpoints are cut from the scratch after the batch that reached them: Parking.checkpoint_within)
+        self._ends_at_checkpoints = self._checkpointing and not (self._window and scratch is not None)
         # llama-server's --cache-reuse: the smallest run of cached tokens moved to a new position after tokens
         # before it were dropped (0: off); per request Request.cache_reuse. Not where a cache cannot shift.
         self._cache_reuse = cache_reuse
@@ -507,10 +507,10 @@ class Engine(ThreadSubmit):
         job.pending = prompt[n:]
         # llama-server's cuts (its greedy output) for a cold prompt; none for a continuation of a cached history (a
         # chat's next turn: a decode call saved) where no checkpoint needs a batch to end
-        uncut = n > 0 and self._n_swa > 0 and (self._checkpoints_within or not self._checkpointing)
-        cut = self._cut_ubatch and job.request.prefill_cuts and not uncut
+        continuation = n > 0 and not self._ends_at_checkpoints
+        cut = self._cut_ubatch and job.request.prefill_cuts and not continuation
         job.ends = prefill_ends(n, len(prompt), self._cut_ubatch) if cut else []
-        if self._checkpointing and not self._checkpoints_within:  # a batch ends at each checkpoint
+        if self._ends_at_checkpoints:
             job.ends = with_cuts(job.ends, n, self._checkpoint_cuts(job), always=job.request.n_keep)
         job.t_admit = now
         job.timings.queue_ms = (now - job.t_submit) * 1000
@@ -671,9 +671,8 @@ class Engine(ThreadSubmit):
         # counted once decoded (a batch rolled back for want of KV room is prefilled again)
         c["prefill_tokens"] += sum(n for _, n, _ in prefilled)
         now = time.perf_counter()
-        for s, *_ in prefilled:  # progress updates go out before the first token
-            job = s.job
-            if job is not None and job.request.progress:
+        for s, _, job in prefilled:  # progress updates go out before the first token
+            if job.request.progress:
                 job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
                                                              (now - job.t_admit) * 1000)))
         for s, slot_rows, drafts, n0 in rows:
