@@ -8,7 +8,7 @@ of the per-round ratios (localllm / llama-server; below 1 is better for times, a
 
 Workloads:
 - single-stream decode tok/s; aggregate tok/s at each client count;
-- TTFT of a cold ~1000-token prompt, and of the same prefix with a new question;
+- TTFT of a cold ~1000-token prompt (`cold_tokens`), and of the same prefix with a new question;
 - an editor: a source file's prefix growing as a user types, bursts of keystrokes 60 ms apart, each a
   completion request that supersedes the last (the client drops the old connection, as llama.vim
   does); latency from the burst's last keystroke to its completion, p50 / p95;
@@ -51,18 +51,29 @@ SIDES = ("localllm", "llama-server")
 
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path, *, threads: int, ctx: int, slots: int,
-                 repack: bool, extra: Sequence[str] = ()) -> Iterator[str]:
+                 repack: bool, extra: Sequence[str] = (), gpu_layers: int | None = None) -> Iterator[str]:
     """llama.cpp's llama-server with a unified KV cache of `ctx` cells shared by `slots` slots (as localllm);
-    `extra`: more of its flags (the workloads' tuned variant)."""
+    `extra`: more of its flags (the workloads' tuned variant); gpu_layers: its -ngl (-1: every layer), else its
+    own default (it fits the layers to the GPU's free memory, as localllm's plan does)."""
     check_binary(binary)
     port = free_port()
     cmd = [str(binary), "-m", str(model), "-c", str(ctx), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
            "-kvu", "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-a", "bench", *extra]
     if not repack:
         cmd.append("--no-repack")
+    if gpu_layers is not None:
+        cmd += ["-ngl", str(gpu_layers if gpu_layers >= 0 else 999)]
     base = f"http://127.0.0.1:{port}"
     with server_process(cmd, dict(os.environ), base + "/health", "llama-server"):
         yield base
+
+
+def side_env(repack: bool, gpu_layers: int | None) -> dict[str, str]:
+    """localllm's settings that match llama-server's flags: the same CPU kernels, the same GPU layers."""
+    env = {"LOCALLLM_CPU_KERNELS": "auto" if repack else "none"}  # auto: repacked, AMX kept out where it would crash
+    if gpu_layers is not None:
+        env["LOCALLLM_GPU_LAYERS"] = str(gpu_layers)
+    return env
 
 
 def check_binary(binary: Path) -> None:
@@ -143,11 +154,11 @@ async def aggregate(base: Server, clients: int, gen: int, r: int, per_client: in
     return {f"aggregate_{clients}_tps": tokens / (time.perf_counter() - t0)}
 
 
-async def cold_warm(base: Server, doc: list[int], r: int, nonce: str) -> dict[str, float]:
-    """A ~1000-token prompt nobody sent before (its first tokens are this run's and round's: localllm's
+async def cold_warm(base: Server, doc: list[int], r: int, nonce: str, tokens: int = 1000) -> dict[str, float]:
+    """A prompt of `tokens` tokens nobody sent before (its first tokens are this run's and round's: localllm's
     disk tier outlives a run), then the same prefix with a new question."""
     stamp = await tokenize(base, f"Run {nonce}, round {r} of the bench, document {r * 7919 % 1000}:\n")
-    head = stamp + doc[r * 53: r * 53 + 1000 - len(stamp)]
+    head = stamp + doc[r * 53: r * 53 + tokens - len(stamp)]
     async with http_client(1) as c:
         cold = await timed(c, base, head, 1)
         q = await tokenize(base, f"\nQuestion {r}: what is this document about?\nAnswer:")
@@ -254,12 +265,13 @@ def corpus() -> tuple[str, str]:
 
 
 def run(model: str, binary: Path, *, clients: list[int], gen: int = 128, threads: int = 2, ctx: int = 8192,
-        slots: int = 8, rounds: int = 3, repack: bool = False, log: Any = None) -> dict[str, Any]:
+        slots: int = 8, rounds: int = 3, repack: bool = False, gpu_layers: int | None = None,
+        cold_tokens: int = 1000, log: Any = None) -> dict[str, Any]:
     """The whole side-by-side; `model` is an installed name. Returns a JSON-able dict (see print_table)."""
     say = log or (lambda msg: None)
     check_binary(binary)
     path = model_file(model)
-    env = {"LOCALLLM_CPU_KERNELS": "auto" if repack else "none"}  # auto: repacked, AMX kept out where it would crash
+    env = side_env(repack, gpu_layers)
     text, source = corpus()
     per: dict[str, dict[str, list[float]]] = {s: {} for s in SIDES}
     pairs: dict[str, list[float]] = {}
@@ -267,17 +279,18 @@ def run(model: str, binary: Path, *, clients: list[int], gen: int = 128, threads
         bases = {"localllm": Server(stack.enter_context(localllm_server(threads=threads, ctx=ctx, slots=slots,
                                                                         extra_env=env))[0], model),
                  "llama-server": Server(stack.enter_context(llama_server(binary, path, threads=threads, ctx=ctx,
-                                                                         slots=slots, repack=repack)), model)}
+                                                                         slots=slots, repack=repack,
+                                                                         gpu_layers=gpu_layers)), model)}
         asyncio.run(_warm(bases))
         doc = asyncio.run(tokenize(bases["llama-server"], text))
-        if len(doc) < 4200:
+        if len(doc) < max(4200, cold_tokens + 53 * rounds):
             raise RuntimeError(f"the corpus is only {len(doc)} tokens")
         say("greedy agreement...")
         agree = asyncio.run(agreement(bases, 64))
         jobs: list[tuple[str, Any]] = [("single stream", lambda b, r: single(b, gen, r))]
         jobs += [(f"{k} clients", lambda b, r, k=k: aggregate(b, k, gen, r)) for k in clients]
         nonce = f"{time.time_ns() % 10**12:x}"  # no prompt of an earlier run is in anyone's cache
-        jobs += [("cold / warm prompt", lambda b, r: cold_warm(b, doc, r, nonce)),
+        jobs += [("cold / warm prompt", lambda b, r: cold_warm(b, doc, r, nonce, cold_tokens)),
                  ("editor", lambda b, r: editor(b, source, r, nonce)),
                  ("mixed load", lambda b, r: mixed(b, doc, r, nonce))]
         for r in range(rounds):
@@ -297,7 +310,7 @@ def run(model: str, binary: Path, *, clients: list[int], gen: int = 128, threads
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in per.items()}
     return {"model": model, "llama_server": str(binary),
             "settings": {"threads": threads, "ctx": ctx, "slots": slots, "gen": gen, "clients": clients,
-                         "rounds": rounds, "repack": repack},
+                         "rounds": rounds, "repack": repack, "gpu_layers": gpu_layers, "cold_tokens": cold_tokens},
             **med, "ratios": {k: statistics.median(v) for k, v in pairs.items()}, "ratios_by_round": pairs,
             "agreement": agree, "restart": restart}
 
@@ -311,7 +324,7 @@ async def _warm(bases: dict[str, Server]) -> None:
 # metric key, label, how to print, the target on the ratio (None: no target), and whether lower is better
 ROWS = [("single_tps", "single-stream decode tok/s", ".1f", 1.0, False),
         ("aggregate_{k}_tps", "aggregate tok/s, {k} clients", ".1f", None, False),
-        ("cold_ttft_ms", "TTFT ~1000-token prompt, cold (ms)", ".0f", 0.9, True),
+        ("cold_ttft_ms", "TTFT ~{n}-token prompt, cold (ms)", ".0f", 0.9, True),
         ("warm_ttft_ms", "TTFT same prefix, new question (ms)", ".0f", None, True),
         ("editor_p50_ms", "editor completion latency p50 (ms)", ".0f", 0.8, True),
         ("editor_p95_ms", "editor completion latency p95 (ms)", ".0f", None, True),
@@ -326,12 +339,14 @@ def print_table(res: dict[str, Any]) -> None:
 
     s, a, b, r = res["settings"], res["localllm"], res["llama-server"], res["ratios"]
     t = Table(title=f"localllm vs llama-server — {res['model']}, {s['threads']} threads, {s['slots']} slots, "
-                    f"ctx {s['ctx']}, repack {'on' if s['repack'] else 'off'}, medians of {s['rounds']} alternating rounds")
+                    f"ctx {s['ctx']}, repack {'on' if s['repack'] else 'off'}"
+                    + (f", GPU layers {s['gpu_layers']}" if s.get("gpu_layers") is not None else "")
+                    + f", medians of {s['rounds']} alternating rounds")
     for col in ("metric", "localllm", "llama-server", "ratio", "target"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for key, label, fmt, target, lower in ROWS:
         for k in (s["clients"] if "{k}" in key else [None]):
-            kk, ll = key.format(k=k), label.format(k=k)
+            kk, ll = key.format(k=k), label.format(k=k, n=s.get("cold_tokens", 1000))
             if kk not in a:
                 continue
             goal = target if target is not None else (1.2 if kk == "aggregate_8_tps" else None)

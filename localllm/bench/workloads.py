@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from localllm.bench.http import http_client, localllm_server, model_file
-from localllm.bench.versus import SIDES, Server, check_binary, corpus, llama_server, timed, tokenize
+from localllm.bench.versus import SIDES, Server, check_binary, corpus, llama_server, side_env, timed, tokenize
 
 TUNED = "llama-server tuned"
 TUNED_FLAGS = ("--cache-reuse", "256", "--spec-type", "ngram-simple")
@@ -238,6 +238,7 @@ class Settings:
     rounds: int
     repack: bool
     tuned: bool
+    gpu_layers: int | None = None  # None: each server's own fit to the GPU's free memory
 
 
 @dataclass
@@ -264,17 +265,19 @@ def report(model: str, binary: Path, settings: Settings, tally: Tally, reopen: l
 
 
 def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: int = 4, rounds: int = 3,
-        repack: bool = False, tuned: bool = False, log: Callable[[str], None] | None = None) -> Report:
+        repack: bool = False, tuned: bool = False, gpu_layers: int | None = None,
+        log: Callable[[str], None] | None = None) -> Report:
     """The workloads on localllm and llama-server (and the tuned llama-server); `model` is an installed name."""
     say = log or (lambda msg: None)
     check_binary(binary)
     model_file(model)  # an unknown name fails here, before a server starts
-    env = {"LOCALLLM_CPU_KERNELS": "auto" if repack else "none"}  # as versus.run
+    env = side_env(repack, gpu_layers)
     sides = (*SIDES, TUNED) if tuned else SIDES
     nonce = f"{time.time_ns() % 10**12:x}"  # no prompt of an earlier run is in anyone's cache
     tally = Tally(sides)
     with contextlib.ExitStack() as stack:
-        servers = _start(stack, model, binary, sides, threads=threads, ctx=ctx, slots=slots, repack=repack, env=env)
+        servers = _start(stack, model, binary, sides, threads=threads, ctx=ctx, slots=slots, repack=repack, env=env,
+                         gpu_layers=gpu_layers)
         texts = asyncio.run(_texts(servers))
         for r in range(rounds):
             order = sides if r % 2 == 0 else sides[::-1]
@@ -291,11 +294,11 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
         reopen.append(reopened(model, texts, f"{nonce}.{r}.doc", threads=threads, ctx=ctx, slots=slots, env=env))
         say(f"  round {r + 1}/{rounds}: localllm, a document, a restart, a new question: "
             f"{time.perf_counter() - t0:.0f} s")
-    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned), tally, reopen)
+    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned, gpu_layers), tally, reopen)
 
 
 def _start(stack: contextlib.ExitStack, model: str, binary: Path, sides: Sequence[str], *, threads: int,
-           ctx: int, slots: int, repack: bool, env: dict[str, str]) -> dict[str, Server]:
+           ctx: int, slots: int, repack: bool, env: dict[str, str], gpu_layers: int | None) -> dict[str, Server]:
     """Every side's server, up and warm (localllm loads its model lazily); stopped when `stack` closes."""
     url = stack.enter_context(localllm_server(threads=threads, ctx=ctx, slots=slots, extra_env=env))[0]
     servers = {SIDES[0]: Server(url, model)}
@@ -303,7 +306,7 @@ def _start(stack: contextlib.ExitStack, model: str, binary: Path, sides: Sequenc
     for side in sides[1:]:
         flags = TUNED_FLAGS if side == TUNED else ()
         url = stack.enter_context(llama_server(binary, path, threads=threads, ctx=ctx, slots=slots, repack=repack,
-                                               extra=flags))
+                                               extra=flags, gpu_layers=gpu_layers))
         servers[side] = Server(url, model)
     asyncio.run(_warm(servers))
     return servers

@@ -49,6 +49,11 @@ def _given(param: str) -> bool:
               help="With --vs-llama-server: parallel slots of both servers.")
 @click.option("--repack/--no-repack", default=False, show_default=True,
               help="With --vs-llama-server: both servers with llama.cpp's repacked CPU weights, or both without.")
+@click.option("--gpu-layers", type=Setting("gpu_layers"),
+              help="With --vs-llama-server: layers on the GPU on both sides (llama-server's -ngl; -1: every layer). "
+              "Default: each server fits them to the GPU's free memory.")
+@click.option("--cold-tokens", type=click.IntRange(min=64, max=8000), default=1000, show_default=True,
+              help="With --vs-llama-server: the length of the cold prompt whose TTFT is timed.")
 @click.option("--workloads", is_flag=True, help="With --http --vs-llama-server: instead, what clients do: an agent loop, "
               "chats revisited on 4 slots, a code edit, a regenerated reply, and (localllm alone) a document reopened "
               "after a restart with a new question; --slots defaults to 4 and --ctx to 16384 here.")
@@ -71,7 +76,7 @@ def _given(param: str) -> bool:
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_llama_server: Path | None, rounds: int,
-          slots: int, repack: bool, workloads: bool, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
+          slots: int, repack: bool, gpu_layers: int | None, cold_tokens: int, workloads: bool, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
@@ -129,7 +134,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         if workloads and vs_llama_server is not None:
             _workloads(model, vs_llama_server, threads=threads or 2, ctx=ctx if _given("ctx") else 16384,
                        slots=slots if _given("slots") else 4, rounds=rounds, repack=repack, tuned=tuned,
-                       as_json=as_json)
+                       gpu_layers=gpu_layers, as_json=as_json)
             return
         if vs_llama_server is not None and not soak:
             from localllm.bench import versus
@@ -137,7 +142,8 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
             counts = clients if _given("clients") else [4, 8, 16]
             say(f"localllm vs {vs_llama_server}: {rounds} alternating rounds (about {3 * rounds} minutes)...")
             res = versus.run(model, vs_llama_server, clients=counts, gen=gen, threads=threads or 2,
-                             ctx=ctx if _given("ctx") else 8192, slots=slots, rounds=rounds, repack=repack, log=say)
+                             ctx=ctx if _given("ctx") else 8192, slots=slots, rounds=rounds, repack=repack,
+                             gpu_layers=gpu_layers, cold_tokens=cold_tokens, log=say)
             click.echo(json.dumps(res, indent=2)) if as_json else versus.print_table(res)
             return
         if vs_inline and not soak:
@@ -177,7 +183,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
 
 def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, rounds: int, repack: bool,
-               tuned: bool, as_json: bool) -> None:
+               tuned: bool, gpu_layers: int | None, as_json: bool) -> None:
     import dataclasses
     import json
 
@@ -189,7 +195,7 @@ def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, 
     sides = 3 if tuned else 2
     say(f"localllm vs {binary}, workloads: {rounds} alternating rounds (about {sides * rounds + rounds} minutes)...")
     rep = bench_workloads.run(model, binary, threads=threads, ctx=ctx, slots=slots, rounds=rounds, repack=repack,
-                              tuned=tuned, log=say)
+                              tuned=tuned, gpu_layers=gpu_layers, log=say)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(rep), indent=2))
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -138,9 +139,36 @@ def test_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli_bench, "resolve_model", lambda m: (Path("/store/model.gguf"), None))
     monkeypatch.setattr(wl, "run", fake_run)
     res = CliRunner().invoke(cli, ["bench", "m:1", "--http", "--vs-llama-server", "/x/ls", "--workloads", "--tuned",
-                                   "--rounds", "1", "--json"])
+                                   "--rounds", "1", "--gpu-layers", "-1", "--json"])
     assert res.exit_code == 0, res.output
     assert seen == {"model": "m:1", "binary": Path("/x/ls"), "threads": 2, "ctx": 16384, "slots": 4, "rounds": 1,
-                    "repack": False, "tuned": True, "log": seen["log"]}
+                    "repack": False, "tuned": True, "gpu_layers": -1, "log": seen["log"]}
     got = json.loads(res.stdout)
     assert got["settings"]["tuned"] is True and got["values"]["localllm"]["code_decode_tps"] == 80.0
+
+
+def test_both_servers_get_the_same_gpu_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu-layers reaches llama-server as -ngl (-1: every layer, which llama-server spells as a large count) and
+    localllm as its setting; without it neither is told, and each fits the layers to the GPU itself."""
+    import contextlib
+
+    from localllm.bench import versus
+    from localllm.config import load_settings
+
+    cmds: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def fake(cmd: list[str], env: dict[str, str], url: str, name: str) -> Iterator[None]:
+        cmds.append(cmd)
+        yield None
+
+    monkeypatch.setattr(versus, "server_process", fake)
+    monkeypatch.setattr(versus, "check_binary", lambda b: None)
+    for layers in (-1, 12, None):
+        with versus.llama_server(Path("/x/ls"), Path("/m.gguf"), threads=2, ctx=4096, slots=4, repack=False,
+                                 gpu_layers=layers):
+            pass
+        env = versus.side_env(False, layers)
+        assert load_settings(env).gpu_layers == layers
+        assert env["LOCALLLM_CPU_KERNELS"] == "none"
+    assert [c[c.index("-ngl") + 1] if "-ngl" in c else None for c in cmds] == ["999", "12", None]
