@@ -10,7 +10,7 @@
 # work: localllm's adaptive prompt lookup is off, since a random-weight model's greedy text repeats itself in ways
 # no real model's does. workloads: the same pair at default settings, over what clients do.
 # Everything it prints goes to $OUT/run.log; figures to $OUT/*.json and *.md. Each stage has its own time limit,
-# and a failed stage does not stop the next.
+# and a failed stage does not stop the next (T_PYTEST, T_CHECKS, T_VERSUS, T_WORKLOADS: their limits in seconds).
 set -u
 repo="$(pwd)"
 g="$repo/.gpu"
@@ -52,12 +52,12 @@ if want setup; then
 fi
 if want pytest; then
   say "pytest -m gpu"
-  LOCALLLM_GPU_MODEL="$model" timeout 300 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -x
+  LOCALLLM_GPU_MODEL="$model" timeout "${T_PYTEST:-300}" python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -x
   say "pytest done ($?)"
 fi
 if want checks; then
   say "checks: fit, oom, kill"
-  timeout 420 python3 tests/gpu/checks.py llama8b:latest "$OUT" --log /tmp/checks-server.log \
+  timeout "${T_CHECKS:-420}" python3 tests/gpu/checks.py llama8b:latest "$OUT" --log /tmp/checks-server.log \
     --stages "${CHECKS:-fit,oom,kill}" --ctx "${CHECKS_CTX:-4096,16384,65536}"
   say "checks done ($?)"
   grep -E "buffer size|CUDA0|cudaMalloc|out of memory|failed" /tmp/checks-server.log | head -n 80
@@ -66,7 +66,7 @@ bench=(python3 -m localllm bench llama8b:latest --http --vs-llama-server /tmp/bi
        --threads 8 --rounds 1)
 if want versus; then
   say "versus llama-server"
-  LOCALLLM_LOOKUP_AUTO=0 timeout 420 "${bench[@]}" --slots 8 --clients 1,8,32 --cold-tokens 4000 --json \
+  LOCALLLM_LOOKUP_AUTO=0 timeout "${T_VERSUS:-420}" "${bench[@]}" --slots 8 --clients 1,8,32 --cold-tokens 4000 --json \
     > "$OUT/versus.json"
   say "versus done ($?)"
   python3 -c "import json, sys; from localllm.bench import versus; versus.print_table(json.load(open(sys.argv[1])))" \
@@ -74,7 +74,7 @@ if want versus; then
 fi
 if want workloads; then
   say "workloads"
-  timeout 420 "${bench[@]}" --workloads --json > "$OUT/workloads.json"
+  timeout "${T_WORKLOADS:-420}" "${bench[@]}" --workloads --json > "$OUT/workloads.json"
   say "workloads done ($?)"
   python3 -c "
 import json, sys

@@ -34,6 +34,7 @@ LD_LIBRARY_PATH="$cuda/lib64:${LD_LIBRARY_PATH:-}" ninja -C "$build" llama ggml-
 # 64 MiB at most
 stage="$(mktemp -d)"
 cp -a "$build"/bin/lib*.so* "$build/bin/llama-server" "$stage/"
+cp -L "$(gcc -print-file-name=libgomp.so.1)" "$stage/"  # the CPU backend's OpenMP, in case the image lacks it
 find "$stage" -type f -exec strip --strip-unneeded {} +
 tar -C "$stage" -cf - . | xz -T0 -9 > "$out/cuda-libs.tar.xz"
 rm -rf "$stage"
