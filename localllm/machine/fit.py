@@ -36,8 +36,13 @@ DEFAULT_SLOTS = 4
 FULL_SWA_SHARE = 0.5
 # Left free in RAM for the interpreter, tokenizer tables, repacked weights and allocator slack.
 RAM_HEADROOM = 256 * MiB
-# Left free on a GPU for the driver, CUDA context and fragmentation.
+# Left free on a GPU for fragmentation and what other programs grow into (the runtime itself is counted below).
 GPU_HEADROOM = 384 * MiB
+# What a process that offloads to a discrete GPU holds there beyond llama.cpp's weight, KV and compute buffers: the
+# CUDA context (527 MiB alone), cuBLAS's handle and workspace, ggml's memory pool. Measured 620 MiB for an 8B model
+# at 4k, 16k and 64k tokens of context on an H200 with CUDA 13 (docs/benchmarks.md, "On a GPU"). Unified memory (Apple)
+# has no such context in the GPU's share.
+GPU_RUNTIME = 640 * MiB
 
 # Bytes per element of each KV cache type (ggml block size / block bytes).
 KV_TYPE_SIZES: dict[str, Fraction] = {
@@ -263,11 +268,13 @@ class _Planner:
         # one sequence more than the slots: the engine's scratch for parked checkpoints keeps a window too
         kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots + 1,
                             n_ubatch=self.n_ubatch)
+        # the attention mask of one ubatch over every cell (F16, flash attention): 64 MiB at 64k tokens
+        mask = n_ctx * self.n_ubatch * 2
         if ngl is None:
-            ngl = self._auto_layers(kv)
-        return self._split(kv, ngl)
+            ngl = self._auto_layers(kv, mask)
+        return self._split(kv, ngl, mask)
 
-    def _split(self, kv: list[int], ngl: int) -> _Eval:
+    def _split(self, kv: list[int], ngl: int, mask: int) -> _Eval:
         n = self.n_layers
         on_gpu = min(ngl, n) if self.gpu else 0
         full = self.gpu is not None and ngl > n
@@ -277,6 +284,8 @@ class _Planner:
         kv_gpu, kv_cpu = sum(kv[first:]), sum(kv[:first])
         # The logits are computed where the output head lives; layers on the GPU need their own scratch.
         c_gpu = (self.compute if full else self.compute - self.logits) if on_gpu else 0
+        if on_gpu:
+            c_gpu += mask + (0 if self.gpu is not None and self.gpu.unified else GPU_RUNTIME)
         c_cpu = 16 * MiB if full else self.compute
         # the engine hands the projector to the GPU when any layer goes there (use_gpu = n_gpu_layers != 0)
         p_gpu = bool(on_gpu) and self.projector > 0
@@ -287,14 +296,14 @@ class _Planner:
         fits = ram_needed <= self.ram_available and gpu_needed <= self.gpu_budget
         return _Eval(ngl, w_gpu, w_cpu, kv_gpu, kv_cpu, c_gpu, c_cpu, gpu_needed, ram_needed, fits, p_gpu)
 
-    def _auto_layers(self, kv: list[int]) -> int:
+    def _auto_layers(self, kv: list[int], mask: int) -> int:
         if self.gpu is None:
             return 0
-        if self._split(kv, self.n_layers + 1).gpu_needed <= self.gpu_budget:
+        if self._split(kv, self.n_layers + 1, mask).gpu_needed <= self.gpu_budget:
             return self.n_layers + 1
         best = 0
         for k in range(1, self.n_layers + 1):
-            if self._split(kv, k).gpu_needed > self.gpu_budget:
+            if self._split(kv, k, mask).gpu_needed > self.gpu_budget:
                 break
             best = k
         return best

@@ -211,7 +211,8 @@ def check_oom(model: str, log: Path, leave_mib: int = 12 * 1024, ctx: int = 1310
                 "model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
                 "options": opts}, timeout=300)
             out["openai_forced"] = {"status": r2.status_code, "body": r2.json()}
-            out["used_after_failures_mib"] = used_mib() - base
+            now, took = settle(base)  # a failed runner is killed; the driver frees its context a moment later
+            out["used_after_failures_mib"], out["freed_in_s"] = now - base, round(took, 2)
             r3 = httpx.post(url + "/v1/chat/completions", json={
                 "model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
                 "temperature": 0}, timeout=300)

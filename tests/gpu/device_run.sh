@@ -83,4 +83,9 @@ d = json.load(open(sys.argv[1]))
 d['settings'] = w.Settings(**d['settings'])
 w.print_table(w.Report(**d))" "$OUT/workloads.json"
 fi
+if [ -n "${EXTRA:-}" ]; then  # a diagnostic of your own, in this environment
+  say "extra: $EXTRA"
+  timeout "${T_EXTRA:-120}" bash -c "$EXTRA"
+  say "extra done ($?)"
+fi
 say "all done"

@@ -231,6 +231,23 @@ def test_gpu_choice_extremes() -> None:
     assert cpu.n_gpu_layers == 0 and cpu.gpu is None and cpu.choices["n_gpu_layers"].reason == "no GPU found"
 
 
+def test_a_discrete_gpu_needs_the_runtime_and_the_attention_mask_too() -> None:
+    """On an H200 an 8B model held 620 MiB beyond llama.cpp's weight, KV and compute buffers (the CUDA context
+    alone is 527 MiB), and its compute buffer grew by the F16 mask, 1 KiB per cell at ubatch 512: the estimate
+    counts both, so it is never under the measured use (it was 5-10 % under). Unified memory has no such context."""
+    from localllm.machine.fit import GPU_RUNTIME
+
+    info = synth()
+    kw = {"ram_available": 64 * GiB, "reserve_bytes": 256 * MiB, "gpu_layers": -1}
+    discrete, unified = Device("GPU", "gpu", 80 * GiB, 79 * GiB), Device("M", "gpu", 80 * GiB, 79 * GiB, unified=True)
+    a, b = (plan_fit(info, devices=[CPU_ONLY[0], d], want_ctx=4096, **kw) for d in (discrete, unified))
+    assert a.gpu_needed - b.gpu_needed == GPU_RUNTIME
+    big = plan_fit(info, devices=[CPU_ONLY[0], discrete], want_ctx=65536, **kw)
+    assert big.gpu_needed - a.gpu_needed == big.kv_gpu_bytes - a.kv_gpu_bytes + (65536 - 4096) * 512 * 2
+    cpu = plan_fit(info, devices=CPU_ONLY, want_ctx=4096, **kw)
+    assert cpu.gpu_needed == 0
+
+
 def test_unified_memory_counts_offloaded_bytes_in_ram() -> None:
     info = synth()
     apple = Device("Apple GPU (Metal)", "gpu", 12 * GiB, 12 * GiB, unified=True)

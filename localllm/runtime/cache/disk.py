@@ -77,7 +77,8 @@ class DiskStates:
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
         self._pending = 0
-        self._pending_bytes = 0  # queued blobs are held in memory: bounded by max_queued_bytes
+        # queued blobs are held in memory: bounded by max_queued_bytes, but for the one an empty queue always takes
+        self._pending_bytes = 0
         self._queued: set[tuple[int, ...]] = set()  # their keys: a state queued twice is written once
         self.max_queued_bytes = 256 << 20
         self._idle = threading.Condition(self._lock)
@@ -175,7 +176,9 @@ class DiskStates:
         with self._lock:
             if key in self._index or key in self._queued:
                 return True
-            if self._pending_bytes + len(blob) > self.max_queued_bytes:  # the disk is behind: skip this one
+            # the disk is behind: skip this one. An empty queue takes any state: an 8B model's 2 000 tokens are 256 MiB,
+            # and a cap below one state would keep every long document off the disk for good
+            if self._pending and self._pending_bytes + len(blob) > self.max_queued_bytes:
                 return False
             self._queued.add(key)
             self._pending += 1
