@@ -471,7 +471,7 @@ class Engine(ThreadSubmit):
                 used = "kv"
             else:
                 try:
-                    self.ctx.state_seq_set(dst.id, blob)  # type: ignore[arg-type]
+                    self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                     used = tier
@@ -541,7 +541,7 @@ class Engine(ThreadSubmit):
         c = s.best_checkpoint(n)
         if c is not None and c.n == n:
             try:
-                self.ctx.state_seq_set(s.id, c.blob, partial=True)
+                self._parked.restore(s.id, c.blob, partial=True)
                 self._counters["checkpoint_restores"] += 1
                 return n
             except EngineError:
@@ -696,7 +696,9 @@ class Engine(ThreadSubmit):
                     if len(s.tokens) - k < cut <= len(s.tokens):
                         self._take_checkpoint(s, cut)
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
-            c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+            took = time.perf_counter() - t0
+            c["prefill_us"] += round(took * 1e6)
+            self._parked.cost.prefill.add(sum(n for _, n, _ in prefilled), took)
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
