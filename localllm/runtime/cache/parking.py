@@ -7,6 +7,8 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,17 +80,24 @@ class CopyCost:
             return None
         return sum(n * bpt / v for v in speeds if v), n / tps
 
+    @property
+    def _back(self) -> Rate:
+        """The restore's rate; until one is timed, the save's (a copy back is taken to run as fast)."""
+        return self.set if self.set.per_s is not None else self.get
+
     def pays_to_park(self, n: int) -> bool:
-        """Saving n tokens' state now and restoring it later beats computing them again (a restore not yet
-        measured is taken to copy as fast as the save)."""
-        back = self.set if self.set.per_s is not None else self.get
-        est = self._seconds(n, self.get, back)
+        """Saving n tokens' state now and restoring it later beats computing them again."""
+        est = self._seconds(n, self.get, self._back)
         return est is None or est[0] < est[1]
 
     def pays_to_restore(self, n: int, disk: bool) -> bool:
         """Restoring a saved state of n tokens (read from disk first, for that tier) beats computing them again."""
-        est = self._seconds(n, self.set, *((self.read,) if disk else ()))
+        est = self._seconds(n, self._back, *((self.read,) if disk else ()))
         return est is None or est[0] < est[1]
+
+
+RATES = ("prefill", "get", "set", "read")
+RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
 
 
 class Parking:
@@ -106,6 +115,7 @@ class Parking:
         self.checkpoints = 0  # prefix states written to the disk tier
         self.cost = CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
+        self._load_rates()
 
     @property
     def enabled(self) -> bool:
@@ -277,8 +287,36 @@ class Parking:
             for s in sorted(slots, key=lambda s: -s.last_used):
                 if s.job is None and time.monotonic() - t0 < budget_s:
                     self.park(s, keep=0, ram=False)
+            self._save_rates()
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
+
+    def _load_rates(self) -> None:
+        """The rates the last engine on this layout measured (a restart's first restore is decided by them: its
+        own first prefill, a greeting, says little of a long prompt's speed)."""
+        if self.disk is None:
+            return
+        try:
+            saved = json.loads((self.disk.dir / RATES_FILE).read_text())
+            for name in RATES:
+                amount, seconds = saved[name]
+                setattr(self.cost, name, Rate(float(amount), float(seconds)))
+            bpt = saved["bytes_per_token"]
+            self.cost.bytes_per_token = None if bpt is None else float(bpt)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measured afresh
+
+    def _save_rates(self) -> None:
+        c = self.cost
+        saved = {name: [getattr(c, name).amount, getattr(c, name).seconds] for name in RATES}
+        saved["bytes_per_token"] = c.bytes_per_token  # type: ignore[assignment]
+        path = self.disk.dir / RATES_FILE  # type: ignore[union-attr]
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(saved))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache folder gone read-only costs the rates, not the shutdown
 
     def forget(self, slots: list[Slot], drafter: Any = None) -> None:
         """Forget every idle slot's history (its KV cells, the drafter's copy) and every parked state."""
