@@ -21,11 +21,13 @@ import queue
 import struct
 import sys
 import threading
+import time
 import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from localllm.runtime.cache.prefix import common_prefix, kv_holds
 
@@ -67,6 +69,23 @@ def _yield_cpu() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+@dataclass
+class Rate:
+    """A throughput (amount per second) over recent measurements: older ones fade, one per observation."""
+
+    amount: float = 0.0
+    seconds: float = 0.0
+    FADE: ClassVar[float] = 0.8
+
+    def add(self, amount: float, seconds: float) -> None:
+        self.amount = self.amount * self.FADE + amount
+        self.seconds = self.seconds * self.FADE + max(seconds, 1e-6)
+
+    @property
+    def per_s(self) -> float | None:
+        return self.amount / self.seconds if self.seconds else None
+
+
 class DiskStates:
     """Parked states on disk for one model; thread-safe (the scheduler reads, a writer thread writes)."""
 
@@ -82,6 +101,7 @@ class DiskStates:
         self._queued: set[tuple[int, ...]] = set()  # their keys: a state queued twice is written once
         self.max_queued_bytes = 256 << 20
         self._idle = threading.Condition(self._lock)
+        self.wrote = Rate()  # bytes per second checksummed and written, waits for a quiet engine left out
         # set while the engine computes nothing (Parking.engine_busy): the writer waits for it before each piece
         self.quiet = threading.Event()
         self.quiet.set()
@@ -223,13 +243,16 @@ class DiskStates:
         with tmp.open("wb") as f:  # the blob in one pass, checksummed as it is written; the header last
             f.seek(_HEAD.size)
             f.write(array("i", key).tobytes())
-            crc = 0
+            crc, busy = 0, 0.0
             for piece in self._quiet_pieces(blob):
+                t0 = time.perf_counter()
                 crc = zlib.crc32(piece, crc)
                 f.write(piece)
+                busy += time.perf_counter() - t0
             f.seek(0)
             f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), crc))
         os.replace(tmp, path)
+        self.wrote.add(len(blob), busy)
         st = path.stat()
         with self._lock:
             # a stored history that is a prefix of this one and holds no earlier positions is redundant

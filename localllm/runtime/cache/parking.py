@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.cache.disk import DiskStates
+from localllm.runtime.cache.disk import DiskStates, Rate
 from localllm.runtime.cache.prefix import RECURRENT, StateLRU, kv_holds, worth_reusing
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.native.llama import Context, bindings_version
@@ -41,23 +41,6 @@ def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: b
 
 
 @dataclass
-class Rate:
-    """A throughput (amount per second) over recent measurements: older ones fade, one per observation."""
-
-    amount: float = 0.0
-    seconds: float = 0.0
-    FADE = 0.8
-
-    def add(self, amount: float, seconds: float) -> None:
-        self.amount = self.amount * self.FADE + amount
-        self.seconds = self.seconds * self.FADE + max(seconds, 1e-6)
-
-    @property
-    def per_s(self) -> float | None:
-        return self.amount / self.seconds if self.seconds else None
-
-
-@dataclass
 class CopyCost:
     """Whether saving a history and restoring it costs less than computing its tokens again, as measured here.
 
@@ -70,6 +53,7 @@ class CopyCost:
     get: Rate = field(default_factory=Rate)  # state bytes per second out of the KV cache
     set: Rate = field(default_factory=Rate)  # and back in
     read: Rate = field(default_factory=Rate)  # and from the disk tier (read and checked)
+    wrote: Rate = field(default_factory=Rate)  # to it (checksummed and written): a read's stand-in until one is timed
     bytes_per_token: float | None = None
 
     def _seconds(self, n: int, *rates: Rate) -> tuple[float, float] | None:
@@ -92,11 +76,12 @@ class CopyCost:
 
     def pays_to_restore(self, n: int, disk: bool) -> bool:
         """Restoring a saved state of n tokens (read from disk first, for that tier) beats computing them again."""
-        est = self._seconds(n, self._back, *((self.read,) if disk else ()))
+        read = self.read if self.read.per_s is not None else self.wrote
+        est = self._seconds(n, self._back, *((read,) if disk else ()))
         return est is None or est[0] < est[1]
 
 
-RATES = ("prefill", "get", "set", "read")
+RATES = ("prefill", "get", "set", "read", "wrote")
 RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
 
 
@@ -113,7 +98,8 @@ class Parking:
         self.window = window
         self.count = 0  # states parked in RAM so far
         self.checkpoints = 0  # prefix states written to the disk tier
-        self.cost = CopyCost()
+        # the disk tier's writer times its writes into the same Rate
+        self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
         self._load_rates()
 
@@ -298,9 +284,9 @@ class Parking:
             return
         try:
             saved = json.loads((self.disk.dir / RATES_FILE).read_text())
-            for name in RATES:
-                amount, seconds = saved[name]
-                setattr(self.cost, name, Rate(float(amount), float(seconds)))
+            for name in RATES:  # in place: the writer holds `wrote`
+                rate = getattr(self.cost, name)
+                rate.amount, rate.seconds = (float(x) for x in saved[name])
             bpt = saved["bytes_per_token"]
             self.cost.bytes_per_token = None if bpt is None else float(bpt)
         except (OSError, ValueError, KeyError, TypeError):
