@@ -196,7 +196,9 @@ def test_copy_cost_parks_and_restores_only_where_copying_beats_computing() -> No
     assert CopyCost().pays_to_park(811) and CopyCost().pays_to_restore(811, disk=True)
     mib = 1 << 20
     gpu = CopyCost(bytes_per_token=101 * mib / 811)
-    gpu.prefill.add(811, 0.058)
+    gpu.prefilled(46, 0.0063)  # a short step times its fixed cost, not the prefill: not counted
+    assert gpu.prefill.per_s is None
+    gpu.prefilled(811, 0.058)
     gpu.get.add(101 * mib, 0.072)
     assert not gpu.pays_to_park(811)  # no restore timed yet: taken as slow as the save (144 ms)
     gpu.set.add(101 * mib, 0.014)
@@ -204,6 +206,9 @@ def test_copy_cost_parks_and_restores_only_where_copying_beats_computing() -> No
     assert gpu.pays_to_restore(811, disk=False)  # 14 ms
     gpu.read.add(1 << 30, 1.0)
     assert not gpu.pays_to_restore(811, disk=True)  # 14 + 106 ms
+    for _ in range(20):  # the revisits' 40-token turns (on the H200 they flipped the answer to parking)
+        gpu.prefilled(40, 0.006)
+    assert not gpu.pays_to_park(811)
     cpu = CopyCost(bytes_per_token=11 * 1024)
     cpu.prefill.add(900, 1.3)
     cpu.get.add(10 * mib, 0.002)
@@ -221,6 +226,7 @@ def test_a_history_that_computes_faster_than_it_copies_is_not_parked(tiny_path: 
     with Engine(tiny_path, n_ctx=256, slots=1, threads=2, min_park_tokens=16) as e:
         def slow_copies() -> None:
             e._parked.cost.get.add(1, 1e6)  # a byte per second out of the KV cache
+            e._parked.cost.prefilled(1000, 0.01)  # these 100-token prompts are too short to time it themselves
             e._parked.cost.bytes_per_token = 1000.0
 
         e._control(slow_copies, 10)

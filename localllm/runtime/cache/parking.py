@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.cache.disk import DiskStates, Rate
@@ -55,6 +55,15 @@ class CopyCost:
     read: Rate = field(default_factory=Rate)  # and from the disk tier (read and checked)
     wrote: Rate = field(default_factory=Rate)  # to it (checksummed and written): a read's stand-in until one is timed
     bytes_per_token: float | None = None
+    # the fewest prompt tokens of a step that times the prefill: a short step is mostly its fixed cost (46 tokens
+    # took 6 ms on the H200, 11x slower per token than 800), and counting those made the answer flip to parking for
+    # a few steps at a time, and then park every idle slot at once (320-390 ms)
+    PREFILL_SAMPLE: ClassVar[int] = 256
+
+    def prefilled(self, n: int, seconds: float) -> None:
+        """A step that computed n prompt tokens took `seconds` (its decode rows included)."""
+        if n >= self.PREFILL_SAMPLE:
+            self.prefill.add(n, seconds)
 
     def _seconds(self, n: int, *rates: Rate) -> tuple[float, float] | None:
         """(copy seconds through `rates`, compute seconds) for n tokens, or None while one is unmeasured."""

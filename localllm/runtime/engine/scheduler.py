@@ -698,7 +698,7 @@ class Engine(ThreadSubmit):
         if prefilled:  # after sampling, which reads the logits: the step's compute has finished
             took = time.perf_counter() - t0
             c["prefill_us"] += round(took * 1e6)
-            self._parked.cost.prefill.add(sum(n for _, n, _ in prefilled), took)
+            self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), took)
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
