@@ -1,7 +1,9 @@
 """On an NVIDIA GPU (`pytest -m gpu`, a CUDA build): offloaded layers give the CPU reference's greedy tokens, parked
 states move between VRAM and RAM intact, and doctor / show --fit name the card. Skipped without one (conftest.py).
 
-LOCALLLM_GPU_MODEL may name a larger GGUF (tests/gpu/llama8b.py's 8B-shaped Q4_K_M) to run the same checks on."""
+LOCALLLM_GPU_MODEL may name a larger GGUF (tests/gpu/llama8b.py's 8B-shaped Q4_K_M) to run the same checks on. It is
+read when the module loads: conftest's per-test fixture clears every LOCALLLM_* variable (on the H200 it did, and the
+8B model went unchecked)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from localllm.runtime.types import GenerationParams, Request
 
 pytestmark = pytest.mark.gpu
 GREEDY = GenerationParams(temperature=0)
+GPU_MODEL = os.environ.get("LOCALLLM_GPU_MODEL")
 
 
 def _nvidia_smi() -> list[tuple[str, int]]:
@@ -36,8 +39,8 @@ def _models(tmp: Path, tiny_path: Path) -> list[tuple[str, Path, float]]:
 
     out = [("tiny llama", tiny_path, TINY_TOL),
            ("tiny gemma3", make_tiny_gemma3_gguf(tmp / "g3.gguf", n_swa=32), TINY_TOL)]
-    if os.environ.get("LOCALLLM_GPU_MODEL"):
-        out.append(("LOCALLLM_GPU_MODEL", Path(os.environ["LOCALLLM_GPU_MODEL"]), TOL))
+    if GPU_MODEL:
+        out.append(("LOCALLLM_GPU_MODEL", Path(GPU_MODEL), TOL))
     return out
 
 
