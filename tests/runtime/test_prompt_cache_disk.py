@@ -160,6 +160,49 @@ def test_a_restart_knows_what_a_disk_restore_costs_and_computes_instead_where_th
     assert_like_reference(tiny_path, turn, r.tokens, n=6, ignore_eos=True)
 
 
+def test_a_history_not_worth_parking_while_idle_still_goes_to_disk_at_shutdown(tiny_path: Path,
+                                                                                tmp_path: Path) -> None:
+    """Idle, the engine skips a park that costs more than it saves, and must not mark the history as saved: the
+    unload's save to disk (whatever the copy costs) would skip it. Found in review; fails before (0 on disk)."""
+    disk = (str(tmp_path / "cache"), 64 << 20)
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        def slow_copies() -> None:
+            e._parked.cost.get.add(1, 1e6)
+            e._parked.cost.prefilled(1000, 0.01)
+            e._parked.cost.bytes_per_token = 1000.0
+
+        e._control(slow_copies, 10)
+        chat = e.tokenize("hello world " * 30)
+        e.generate(Request(chat, GREEDY, max_tokens=5, ignore_eos=True))
+        time.sleep(1.0)  # idle: the park ahead is skipped
+        assert e.stats()["parked"] == 0
+    again = DiskStates(tmp_path / "cache" / next(p.name for p in (tmp_path / "cache").iterdir()), 64 << 20)
+    assert len(again) == 1
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ['{"prefill": [0, 1], "bytes_per_token": 10}',
+                                    '{"prefill": [NaN, 1], "get": [1, 1], "bytes_per_token": 10}',
+                                    '{"prefill": [-5, 1], "bytes_per_token": 10}',
+                                    '{"prefill": [100, 1], "bytes_per_token": -1}',
+                                    '{"prefill": "fast"}', "not json"])
+def test_a_damaged_rates_file_is_ignored(tiny_path: Path, tmp_path: Path, damage: str) -> None:
+    """rates.json is read, not trusted: a zero rate divided every admission by zero, a NaN never faded and stopped
+    parking for good (found in review). Such a file is ignored whole, and the engine parks and restores as before."""
+    disk = (str(tmp_path / "cache"), 64 << 20)
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        chat = e.tokenize("hello world " * 30)
+        first = e.generate(Request(chat, GREEDY, max_tokens=5, ignore_eos=True))
+    (layout,) = (tmp_path / "cache").iterdir()
+    (layout / "rates.json").write_text(damage)
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        assert e._parked.cost.prefill.per_s is None and e._parked.cost.bytes_per_token is None
+        turn = chat + first.tokens + [300, 301]
+        r = e.generate(Request(turn, GREEDY, max_tokens=6, ignore_eos=True))
+    assert r.timings.cache_tier == "disk"
+    assert r.tokens == _fresh(tiny_path, turn)
+
+
 def test_a_corrupt_state_on_disk_is_prefilled_instead(tiny_path: Path, tmp_path: Path) -> None:
     disk = (str(tmp_path / "cache"), 64 << 20)
     with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, disk_cache=disk) as e:

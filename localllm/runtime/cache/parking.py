@@ -8,6 +8,7 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ class CopyCost:
         """(copy seconds through `rates`, compute seconds) for n tokens, or None while one is unmeasured."""
         tps, bpt = self.prefill.per_s, self.bytes_per_token
         speeds = [r.per_s for r in rates]
-        if tps is None or bpt is None or None in speeds:
+        if not tps or bpt is None or any(not v for v in speeds):  # unmeasured (or a zero rate: no answer either)
             return None
         return sum(n * bpt / v for v in speeds if v), n / tps
 
@@ -218,7 +219,10 @@ class Parking:
 
     def park_ahead(self, slot: Slot) -> None:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
-        `park` then answers for it until the history changes."""
+        `park` then answers for it until the history changes. One not worth copying is not marked: an unload
+        still saves it to disk (save_all)."""
+        if not self.cost.pays_to_park(len(slot.tokens)):
+            return
         slot.parked_ram = self.park(slot, keep=0)
         slot.parked_at = len(slot.tokens)
 
@@ -262,10 +266,12 @@ class Parking:
         return blob
 
     def restore(self, seq: int, blob: bytes, *, partial: bool = False) -> None:
-        """Put a saved state into sequence `seq` (raises EngineError where llama.cpp refuses), timing the copy."""
+        """Put a saved state into sequence `seq` (raises EngineError where llama.cpp refuses), timing the copy of
+        a whole one (a checkpoint's window is small: its fixed costs would pass for a slow copy)."""
         t0 = time.perf_counter()
         self.ctx.state_seq_set(seq, blob, partial=partial)
-        self.cost.set.add(len(blob), time.perf_counter() - t0)
+        if not partial:
+            self.cost.set.add(len(blob), time.perf_counter() - t0)
 
     def refused(self, tier: str, key: tuple[int, ...]) -> None:
         """llama.cpp would not restore this state: never offer it again."""
@@ -282,9 +288,9 @@ class Parking:
             for s in sorted(slots, key=lambda s: -s.last_used):
                 if s.job is None and time.monotonic() - t0 < budget_s:
                     self.park(s, keep=0, ram=False)
-            self._save_rates()
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
+            self._save_rates()  # after the last writes, which time the disk too
 
     def _load_rates(self) -> None:
         """The rates the last engine on this layout measured (a restart's first restore is decided by them: its
@@ -293,17 +299,25 @@ class Parking:
             return
         try:
             saved = json.loads((self.disk.dir / RATES_FILE).read_text())
-            for name in RATES:  # in place: the writer holds `wrote`
-                rate = getattr(self.cost, name)
-                rate.amount, rate.seconds = (float(x) for x in saved[name])
+            pairs = {name: [float(x) for x in saved[name]] for name in RATES if name in saved}  # unmeasured: absent
             bpt = saved["bytes_per_token"]
-            self.cost.bytes_per_token = None if bpt is None else float(bpt)
+            bpt = None if bpt is None else float(bpt)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: measured afresh
+            return  # none yet, or unreadable: measured afresh
+        # only what a measurement can give (finite, amounts and seconds > 0): a hand-edited or damaged file must
+        # not divide by zero, nor hold a NaN that never fades; all or nothing
+        ok = all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values())
+        if not ok or (bpt is not None and not (math.isfinite(bpt) and bpt > 0)):
+            return
+        for name, (amount, seconds) in pairs.items():  # in place: the writer holds `wrote`
+            rate = getattr(self.cost, name)
+            rate.amount, rate.seconds = amount, seconds
+        self.cost.bytes_per_token = bpt
 
     def _save_rates(self) -> None:
-        c = self.cost
-        saved = {name: [getattr(c, name).amount, getattr(c, name).seconds] for name in RATES}
+        c = self.cost  # an unmeasured rate is saved as [0, 0] and read back as none: left unmeasured
+        saved = {name: [getattr(c, name).amount, getattr(c, name).seconds] for name in RATES
+                 if getattr(c, name).seconds > 0}
         saved["bytes_per_token"] = c.bytes_per_token  # type: ignore[assignment]
         path = self.disk.dir / RATES_FILE  # type: ignore[union-attr]
         tmp = path.with_suffix(".tmp")

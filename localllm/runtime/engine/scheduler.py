@@ -690,15 +690,15 @@ class Engine(ThreadSubmit):
                         break
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(s, exc)
+        computed = time.perf_counter() - t0  # after sampling, which reads the logits: the compute has finished
         if self._checkpointing:  # after the batch that reached each cut
             for s, k, job in prefilled:  # the job's, even where its first token ended it (a failure drops the slot)
                 for cut in self._checkpoint_cuts(job):
                     if len(s.tokens) - k < cut <= len(s.tokens):
                         self._take_checkpoint(s, cut)
-        if prefilled:  # after sampling, which reads the logits: the step's compute has finished
-            took = time.perf_counter() - t0
-            c["prefill_us"] += round(took * 1e6)
-            self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), took)
+        if prefilled:
+            c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
+            self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), computed)  # the checkpoints' copies left out
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
