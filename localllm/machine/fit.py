@@ -284,8 +284,8 @@ class _Planner:
         kv_gpu, kv_cpu = sum(kv[first:]), sum(kv[:first])
         # The logits are computed where the output head lives; layers on the GPU need their own scratch.
         c_gpu = (self.compute if full else self.compute - self.logits) if on_gpu else 0
-        if on_gpu:
-            c_gpu += mask + (0 if self.gpu is not None and self.gpu.unified else GPU_RUNTIME)
+        if on_gpu and self.gpu is not None:
+            c_gpu += mask + (0 if self.gpu.unified else GPU_RUNTIME)
         c_cpu = 16 * MiB if full else self.compute
         # the engine hands the projector to the GPU when any layer goes there (use_gpu = n_gpu_layers != 0)
         p_gpu = bool(on_gpu) and self.projector > 0

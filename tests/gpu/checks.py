@@ -30,16 +30,19 @@ MiB = 1 << 20
 TOLERANCE = 0.15  # the issue's bar: the estimate within 15 % of the measured use, and never under it
 
 
-def used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+def _smi(field: str) -> str:
+    """nvidia-smi's value of one --query-gpu field for the first card."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
+    return out.strip().splitlines()[0].strip()
+
+
+def used_mib() -> int:
+    return int(_smi("memory.used"))
 
 
 def free_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
+    return int(_smi("memory.free"))
 
 
 class Peak:
@@ -318,9 +321,7 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     log = a.log or a.out / "checks-server.log"
-    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    res: dict[str, Any] = {"gpu": name, "model": a.model}
+    res: dict[str, Any] = {"gpu": _smi("name"), "model": a.model}
     report = a.out / "checks.json"
     for stage in a.stages.split(","):
         t0 = time.time()

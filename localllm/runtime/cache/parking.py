@@ -90,8 +90,41 @@ class CopyCost:
         est = self._seconds(n, self._back, *((read,) if disk else ()))
         return est is None or est[0] < est[1]
 
+    def load(self, path: Path) -> None:
+        """The rates a previous engine saved (a restart's first restore is decided by them: its own first
+        prefill, a greeting, says little of a long prompt's speed). Absent or unreadable: measured afresh."""
+        try:
+            saved = json.loads(path.read_text())
+            pairs = {name: [float(x) for x in saved[name]] for name in RATES if name in saved}  # unmeasured: absent
+            bpt = saved["bytes_per_token"]
+            bpt = None if bpt is None else float(bpt)
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        # only what a measurement can give (finite, amounts and seconds > 0): a hand-edited or damaged file must
+        # not divide by zero, nor hold a NaN that never fades; all or nothing
+        ok = all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values())
+        if not ok or (bpt is not None and not (math.isfinite(bpt) and bpt > 0)):
+            return
+        for name, (amount, seconds) in pairs.items():  # in place: the disk writer holds `wrote`
+            rate = getattr(self, name)
+            rate.amount, rate.seconds = amount, seconds
+        self.bytes_per_token = bpt
 
-RATES = ("prefill", "get", "set", "read", "wrote")
+    def save(self, path: Path) -> None:
+        """The measured rates (an unmeasured one is left out), written atomically; a folder gone read-only costs
+        the rates, not the shutdown."""
+        saved: dict[str, Any] = {name: [getattr(self, name).amount, getattr(self, name).seconds] for name in RATES
+                                 if getattr(self, name).seconds > 0}
+        saved["bytes_per_token"] = self.bytes_per_token
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(saved))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+RATES = ("prefill", "get", "set", "read", "wrote")  # CopyCost's Rate fields
 RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
 
 
@@ -111,7 +144,8 @@ class Parking:
         # the disk tier's writer times its writes into the same Rate
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
-        self._load_rates()
+        if disk is not None:
+            self.cost.load(disk.dir / RATES_FILE)
 
     @property
     def enabled(self) -> bool:
@@ -290,42 +324,7 @@ class Parking:
                     self.park(s, keep=0, ram=False)
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
-            self._save_rates()  # after the last writes, which time the disk too
-
-    def _load_rates(self) -> None:
-        """The rates the last engine on this layout measured (a restart's first restore is decided by them: its
-        own first prefill, a greeting, says little of a long prompt's speed)."""
-        if self.disk is None:
-            return
-        try:
-            saved = json.loads((self.disk.dir / RATES_FILE).read_text())
-            pairs = {name: [float(x) for x in saved[name]] for name in RATES if name in saved}  # unmeasured: absent
-            bpt = saved["bytes_per_token"]
-            bpt = None if bpt is None else float(bpt)
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # none yet, or unreadable: measured afresh
-        # only what a measurement can give (finite, amounts and seconds > 0): a hand-edited or damaged file must
-        # not divide by zero, nor hold a NaN that never fades; all or nothing
-        ok = all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values())
-        if not ok or (bpt is not None and not (math.isfinite(bpt) and bpt > 0)):
-            return
-        for name, (amount, seconds) in pairs.items():  # in place: the writer holds `wrote`
-            rate = getattr(self.cost, name)
-            rate.amount, rate.seconds = amount, seconds
-        self.cost.bytes_per_token = bpt
-
-    def _save_rates(self) -> None:
-        c = self.cost  # an unmeasured rate is saved as [0, 0] and read back as none: left unmeasured
-        saved = {name: [getattr(c, name).amount, getattr(c, name).seconds] for name in RATES
-                 if getattr(c, name).seconds > 0}
-        saved["bytes_per_token"] = c.bytes_per_token  # type: ignore[assignment]
-        path = self.disk.dir / RATES_FILE  # type: ignore[union-attr]
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(saved))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a cache folder gone read-only costs the rates, not the shutdown
+            self.cost.save(self.disk.dir / RATES_FILE)  # after the last writes, which time the disk too
 
     def forget(self, slots: list[Slot], drafter: Any = None) -> None:
         """Forget every idle slot's history (its KV cells, the drafter's copy) and every parked state."""
