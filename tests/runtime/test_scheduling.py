@@ -193,28 +193,71 @@ def test_copy_cost_parks_and_restores_only_where_copying_beats_computing() -> No
     states at GB/s) both pay. Unmeasured, the answer is yes: the engine parks as before until it knows."""
     from localllm.runtime.cache.parking import CopyCost
 
-    assert CopyCost().pays_to_park(811) and CopyCost().pays_to_restore(811, disk=True)
     mib = 1 << 20
-    gpu = CopyCost(bytes_per_token=101 * mib / 811)
+    assert CopyCost().pays_to_park(811, 101 * mib) and CopyCost().pays_to_restore(811, 101 * mib, disk=True)
+    gpu = CopyCost()
     gpu.prefilled(46, 0.0063)  # a short step times its fixed cost, not the prefill: not counted
     assert gpu.prefill.per_s is None
     gpu.prefilled(811, 0.058)
-    gpu.get.add(101 * mib, 0.072)
-    assert not gpu.pays_to_park(811)  # no restore timed yet: taken as slow as the save (144 ms)
-    gpu.set.add(101 * mib, 0.014)
-    assert not gpu.pays_to_park(811)  # 86 ms against 58 ms
-    assert gpu.pays_to_restore(811, disk=False)  # 14 ms
-    gpu.read.add(1 << 30, 1.0)
-    assert not gpu.pays_to_restore(811, disk=True)  # 14 + 106 ms
+    gpu.copied("get", 101 * mib, 0.072)
+    assert not gpu.pays_to_park(811, 101 * mib)  # no restore timed yet: taken as slow as the save (144 ms)
+    gpu.copied("set", 101 * mib, 0.014)
+    assert not gpu.pays_to_park(811, 101 * mib)  # 86 ms against 58 ms
+    assert gpu.pays_to_restore(811, 101 * mib, disk=False)  # 14 ms
+    # priced on the state's size, not the tokens it serves: a 4 000-token state restored to reuse 811 of them
+    assert not gpu.pays_to_restore(811, 500 * mib, disk=False)  # 69 ms against 58 ms
+    gpu.copied("read", 1 << 30, 1.0)
+    assert not gpu.pays_to_restore(811, 101 * mib, disk=True)  # 14 + 106 ms
     for _ in range(20):  # the revisits' 40-token turns (on the H200 they flipped the answer to parking)
         gpu.prefilled(40, 0.006)
-    assert not gpu.pays_to_park(811)
-    cpu = CopyCost(bytes_per_token=11 * 1024)
+    assert not gpu.pays_to_park(811, 101 * mib)
+    cpu = CopyCost()
     cpu.prefill.add(900, 1.3)
-    cpu.get.add(10 * mib, 0.002)
-    assert cpu.pays_to_park(900)
-    cpu.read.add(1 << 30, 1.0)
-    assert cpu.pays_to_restore(900, disk=True)
+    cpu.copied("get", 10 * mib, 0.002)
+    assert cpu.pays_to_park(900, 10 * mib)
+    cpu.copied("read", 1 << 30, 1.0)
+    assert cpu.pays_to_restore(900, 10 * mib, disk=True)
+    # a window model's state is mostly its fixed part: 100 tokens' state as big as 900 tokens' does not pay where
+    # 100 tokens compute in 0.14 s and the copy takes 0.2 s
+    slow = CopyCost()
+    slow.prefill.add(900, 1.3)
+    slow.copied("get", 10 * mib, 0.1)
+    assert slow.pays_to_park(900, 10 * mib) and not slow.pays_to_park(100, 10 * mib)
+
+
+def test_copy_cost_probes_again_after_saying_no() -> None:
+    """A "no" copies nothing, so it measures nothing: one slow first copy (fresh pages) or another machine's rates
+    would stop parking for good (found in review). Every PROBE_EVERY-th "no" in a row is a "yes" whose copy is
+    timed; a probe that runs more than twice as fast as the rate replaces the stale rate, and parking resumes."""
+    from localllm.runtime.cache.parking import CopyCost
+
+    mib = 1 << 20
+    c = CopyCost()
+    c.prefilled(1000, 1.0)
+    c.copied("get", 10 * mib, 100.0)  # one very slow sample
+    answers = [c.pays_to_park(1000, 10 * mib) for _ in range(2 * CopyCost.PROBE_EVERY)]
+    assert answers.count(True) == 2 and answers[CopyCost.PROBE_EVERY - 1] and answers[-1]
+    c.copied("get", 10 * mib, 0.004)  # the probe's copy: 2.5 GB/s
+    assert c.pays_to_park(1000, 10 * mib)
+    assert c.pays_to_restore(1000, 10 * mib, disk=False)  # the save's rate stands in for the restore's
+    # a probe no faster than the rate only adds to it: still no
+    d = CopyCost()
+    d.prefilled(1000, 0.05)
+    d.copied("get", 100 * mib, 0.1)
+    d.copied("set", 100 * mib, 0.1)
+    while not d.pays_to_park(1000, 100 * mib):
+        pass
+    d.copied("get", 100 * mib, 0.09)
+    assert not d.pays_to_park(1000, 100 * mib)
+    # restores probe too, from disk timing the read
+    e = CopyCost()
+    e.prefilled(1000, 0.05)
+    e.copied("set", 100 * mib, 0.01)
+    e.copied("read", 100 * mib, 10.0)
+    assert [e.pays_to_restore(1000, 100 * mib, disk=True) for _ in range(CopyCost.PROBE_EVERY)][-1]
+    e.copied("read", 100 * mib, 0.02)
+    e.copied("set", 100 * mib, 0.01)
+    assert e.pays_to_restore(1000, 100 * mib, disk=True)
 
 
 def test_a_history_that_computes_faster_than_it_copies_is_not_parked(tiny_path: Path) -> None:
@@ -227,7 +270,6 @@ def test_a_history_that_computes_faster_than_it_copies_is_not_parked(tiny_path: 
         def slow_copies() -> None:
             e._parked.cost.get.add(1, 1e6)  # a byte per second out of the KV cache
             e._parked.cost.prefilled(1000, 0.01)  # these 100-token prompts are too short to time it themselves
-            e._parked.cost.bytes_per_token = 1000.0
 
         e._control(slow_copies, 10)
         for c in chats:
@@ -237,4 +279,28 @@ def test_a_history_that_computes_faster_than_it_copies_is_not_parked(tiny_path: 
         st = e.stats()
     assert st["parked"] == 0 and st["park_skipped"] >= 2 and st["hits_ram"] == 0
     assert got.timings.cache_tier != "ram"
+    assert_like_reference(tiny_path, again, got.tokens, n=8, ignore_eos=True)
+
+
+def test_a_stale_slow_rate_is_probed_and_parking_resumes(tiny_path: Path) -> None:
+    """A rate that says copies are slow (one slow sample, or another machine's rates.json) while they are fast: the
+    engine skips parks, probes after PROBE_EVERY of them, finds the copy fast and parks again, so a chat revisited
+    later is restored from RAM and continues as the reference does. Before, no park ever ran again to correct it."""
+    from localllm.runtime.cache.parking import CopyCost
+
+    greedy = GenerationParams(temperature=0)
+    chats = [[(7 * i + 13 * k) % 250 + 3 for k in range(100)] for i in range(CopyCost.PROBE_EVERY + 4)]
+    with Engine(tiny_path, n_ctx=256, slots=1, threads=2, min_park_tokens=16) as e:
+        def stale() -> None:
+            e._parked.cost.get.add(1, 1e6)  # a byte per second
+            e._parked.cost.prefilled(1000, 0.01)
+
+        e._control(stale, 10)
+        for c in chats:
+            e.generate(Request(c, greedy, max_tokens=4, ignore_eos=True))
+        again = chats[-2] + [5, 6, 7]
+        got = e.generate(Request(again, greedy, max_tokens=8, ignore_eos=True))
+        st = e.stats()
+    assert st["park_skipped"] < CopyCost.PROBE_EVERY and st["parked"] >= 2 and st["hits_ram"] == 1
+    assert got.timings.cache_tier == "ram"
     assert_like_reference(tiny_path, again, got.tokens, n=8, ignore_eos=True)

@@ -148,6 +148,12 @@ class DiskStates:
         with self._lock:
             return sum(e.size for e in self._index.values())
 
+    def size(self, key: tuple[int, ...]) -> int:
+        """Bytes of a stored state (0 where it went meanwhile)."""
+        with self._lock:
+            e = self._index.get(key)
+            return e.size if e is not None else 0
+
     def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
         """(key, reusable length) of the stored state serving the longest prefix of `prompt` (as StateLRU.best)."""
         best, n_best = None, 0

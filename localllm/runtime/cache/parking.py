@@ -48,47 +48,70 @@ class CopyCost:
     On a CPU a state copies at GB/s while a prompt computes at hundreds of tokens per second: parking always pays.
     On a fast GPU it need not: an 8B model's 811-token history (101 MiB) took 72 ms to copy out of VRAM and 14 ms
     back (H200; llama.cpp copies each run of cells into pageable memory), while its tokens computed again in about
-    60 ms. Each rate is measured as the engine goes; until one is, the answer is yes (parking as before)."""
+    60 ms. Each rate is measured as the engine goes; until one is, the answer is yes (parking as before). Each copy
+    is priced on its own size (a sliding-window or recurrent state is mostly fixed, not so much per token)."""
 
     prefill: Rate = field(default_factory=Rate)  # prompt tokens per second
     get: Rate = field(default_factory=Rate)  # state bytes per second out of the KV cache
     set: Rate = field(default_factory=Rate)  # and back in
     read: Rate = field(default_factory=Rate)  # and from the disk tier (read and checked)
     wrote: Rate = field(default_factory=Rate)  # to it (checksummed and written): a read's stand-in until one is timed
-    bytes_per_token: float | None = None
+    # consecutive "no" answers, per decision: a "no" measures nothing, so without a probe now and then one slow
+    # sample (a first copy into fresh pages) or another machine's rates.json would stop parking for good
+    _noes: dict[str, int] = field(default_factory=lambda: {"park": 0, "restore": 0}, repr=False)
+    # the rates a probe's copy is about to time (a lambda: `set` in this body is the field above)
+    _probing: set[str] = field(default_factory=lambda: set(), repr=False)
     # the fewest prompt tokens of a step that times the prefill: a short step is mostly its fixed cost (46 tokens
     # took 6 ms on the H200, 11x slower per token than 800), and counting those made the answer flip to parking for
     # a few steps at a time, and then park every idle slot at once (320-390 ms)
     PREFILL_SAMPLE: ClassVar[int] = 256
+    # every this many "no"s, one "yes" that copies to measure again (on the H200: one 70 ms park per 16 admissions)
+    PROBE_EVERY: ClassVar[int] = 16
 
     def prefilled(self, n: int, seconds: float) -> None:
         """A step that computed n prompt tokens took `seconds` (its decode rows included)."""
         if n >= self.PREFILL_SAMPLE:
             self.prefill.add(n, seconds)
 
-    def _seconds(self, n: int, *rates: Rate) -> tuple[float, float] | None:
-        """(copy seconds through `rates`, compute seconds) for n tokens, or None while one is unmeasured."""
-        tps, bpt = self.prefill.per_s, self.bytes_per_token
-        speeds = [r.per_s for r in rates]
-        if not tps or bpt is None or any(not v for v in speeds):  # unmeasured (or a zero rate: no answer either)
-            return None
-        return sum(n * bpt / v for v in speeds if v), n / tps
+    def copied(self, name: str, nbytes: int, seconds: float) -> None:
+        """A state copy through rate `name` ("get", "set", "read") moved nbytes in `seconds`. A probe's copy that ran
+        more than twice as fast as the rate says replaces the rate's history: the rates were stale, and fading them
+        one sample at a time would take dozens of probes while the copies paid."""
+        rate: Rate = getattr(self, name)
+        if name in self._probing and rate.per_s and nbytes / max(seconds, 1e-6) > 2 * rate.per_s:
+            rate.amount = rate.seconds = 0.0
+        self._probing.discard(name)
+        rate.add(nbytes, seconds)
+
+    def _verdict(self, decision: str, n: int, nbytes: int, *rates: Rate, probe: tuple[str, ...]) -> bool:
+        """Copying nbytes through `rates` costs less than computing n tokens; unmeasured: yes. Every PROBE_EVERY-th
+        "no" in a row is a "yes" whose copy times `probe` again."""
+        tps, speeds = self.prefill.per_s, [r.per_s for r in rates]
+        if not tps or any(not v for v in speeds) or sum(nbytes / v for v in speeds if v) < n / tps:
+            self._noes[decision] = 0
+            return True
+        self._noes[decision] += 1
+        if self._noes[decision] < self.PROBE_EVERY:
+            return False
+        self._noes[decision] = 0
+        self._probing.update(probe)
+        return True
 
     @property
     def _back(self) -> Rate:
         """The restore's rate; until one is timed, the save's (a copy back is taken to run as fast)."""
         return self.set if self.set.per_s is not None else self.get
 
-    def pays_to_park(self, n: int) -> bool:
-        """Saving n tokens' state now and restoring it later beats computing them again."""
-        est = self._seconds(n, self.get, self._back)
-        return est is None or est[0] < est[1]
+    def pays_to_park(self, n: int, nbytes: int) -> bool:
+        """Saving the state of n tokens (nbytes) now and restoring it later beats computing them again."""
+        return self._verdict("park", n, nbytes, self.get, self._back, probe=("get",))
 
-    def pays_to_restore(self, n: int, disk: bool) -> bool:
-        """Restoring a saved state of n tokens (read from disk first, for that tier) beats computing them again."""
+    def pays_to_restore(self, n: int, nbytes: int, disk: bool) -> bool:
+        """Restoring a saved state of nbytes (read from disk first, for that tier) to reuse n tokens beats computing
+        them again."""
         read = self.read if self.read.per_s is not None else self.wrote
-        est = self._seconds(n, self._back, *((read,) if disk else ()))
-        return est is None or est[0] < est[1]
+        return self._verdict("restore", n, nbytes, self._back, *((read,) if disk else ()),
+                             probe=("set", "read") if disk else ("set",))
 
     def load(self, path: Path) -> None:
         """The rates a previous engine saved (a restart's first restore is decided by them: its own first
@@ -96,26 +119,21 @@ class CopyCost:
         try:
             saved = json.loads(path.read_text())
             pairs = {name: [float(x) for x in saved[name]] for name in RATES if name in saved}  # unmeasured: absent
-            bpt = saved["bytes_per_token"]
-            bpt = None if bpt is None else float(bpt)
         except (OSError, ValueError, KeyError, TypeError):
             return
         # only what a measurement can give (finite, amounts and seconds > 0): a hand-edited or damaged file must
         # not divide by zero, nor hold a NaN that never fades; all or nothing
-        ok = all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values())
-        if not ok or (bpt is not None and not (math.isfinite(bpt) and bpt > 0)):
+        if not all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values()):
             return
         for name, (amount, seconds) in pairs.items():  # in place: the disk writer holds `wrote`
             rate = getattr(self, name)
             rate.amount, rate.seconds = amount, seconds
-        self.bytes_per_token = bpt
 
     def save(self, path: Path) -> None:
         """The measured rates (an unmeasured one is left out), written atomically; a folder gone read-only costs
         the rates, not the shutdown."""
-        saved: dict[str, Any] = {name: [getattr(self, name).amount, getattr(self, name).seconds] for name in RATES
-                                 if getattr(self, name).seconds > 0}
-        saved["bytes_per_token"] = self.bytes_per_token
+        saved = {name: [getattr(self, name).amount, getattr(self, name).seconds] for name in RATES
+                 if getattr(self, name).seconds > 0}
         tmp = path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps(saved))
@@ -159,14 +177,13 @@ class Parking:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
             return slot.parked_ram
-        if ram and not self.cost.pays_to_park(len(slot.tokens)):
+        if ram and not self.cost.pays_to_park(len(slot.tokens), self.ctx.state_seq_size(slot.id)):
             self.skipped += 1
             return False
         try:
             t0 = time.perf_counter()
             blob = self.ctx.state_seq_get(slot.id)
-            self.cost.get.add(len(blob), time.perf_counter() - t0)
-            self.cost.bytes_per_token = len(blob) / len(slot.tokens)
+            self.cost.copied("get", len(blob), time.perf_counter() - t0)
         except LocalLLMError:
             return False
         # a sliding-window model saves only the last window of its SWA layers
@@ -255,7 +272,7 @@ class Parking:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes. One not worth copying is not marked: an unload
         still saves it to disk (save_all)."""
-        if not self.cost.pays_to_park(len(slot.tokens)):
+        if not self.cost.pays_to_park(len(slot.tokens), self.ctx.state_seq_size(slot.id)):
             return
         slot.parked_ram = self.park(slot, keep=0)
         slot.parked_at = len(slot.tokens)
@@ -279,11 +296,11 @@ class Parking:
         length not worth reusing (prefix_cache.worth_reusing), or whose restore costs more than computing it
         (CopyCost), counts as none."""
         tier, (key, n) = "ram", self.ram.best(prompt, self.n_swa, cap)
-        if not self.cost.pays_to_restore(n, disk=False):
+        if key is not None and not self.cost.pays_to_restore(n, self.ram.size(key), disk=False):
             key, n = None, 0
         if self.disk is not None:
             dkey, dn = self.disk.best(prompt, self.n_swa, cap)
-            if dn > n and self.cost.pays_to_restore(dn, disk=True):
+            if dkey is not None and dn > n and self.cost.pays_to_restore(dn, self.disk.size(dkey), disk=True):
                 tier, key, n = "disk", dkey, dn
         return (tier, key, n) if worth_reusing(n, len(prompt)) else (tier, None, 0)
 
@@ -296,7 +313,7 @@ class Parking:
         t0 = time.perf_counter()
         blob = self.disk.load(key)
         if blob is not None:
-            self.cost.read.add(len(blob), time.perf_counter() - t0)
+            self.cost.copied("read", len(blob), time.perf_counter() - t0)
         return blob
 
     def restore(self, seq: int, blob: bytes, *, partial: bool = False) -> None:
@@ -305,7 +322,7 @@ class Parking:
         t0 = time.perf_counter()
         self.ctx.state_seq_set(seq, blob, partial=partial)
         if not partial:
-            self.cost.set.add(len(blob), time.perf_counter() - t0)
+            self.cost.copied("set", len(blob), time.perf_counter() - t0)
 
     def refused(self, tier: str, key: tuple[int, ...]) -> None:
         """llama.cpp would not restore this state: never offer it again."""

@@ -97,6 +97,9 @@ class StateLRU:
     def take(self, key: tuple[int, ...]) -> bytes:
         return self._drop(key)
 
+    def size(self, key: tuple[int, ...]) -> int:
+        return len(self._items[key])
+
     def _drop(self, key: tuple[int, ...]) -> bytes:
         blob = self._items.pop(key)
         del self._pos_min[key]

@@ -581,11 +581,16 @@ class Context:
         lc.llama_memory_clear(self._mem, True)
 
     # ---- per-sequence state ---------------------------------------------------------------------
+    def state_seq_size(self, seq: int, *, partial: bool = False) -> int:
+        """Bytes state_seq_get would return (llama.cpp walks the cells, copies nothing)."""
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        return int(lc.llama_state_seq_get_size_ext(self._p, seq, flags))
+
     def state_seq_get(self, seq: int, *, partial: bool = False) -> bytes:
         """The sequence's state; partial: only what cannot be rolled back (a sliding-window model's SWA
         layers, a recurrent state) — a checkpoint, restored over the full layers' cells kept in place."""
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        size = lc.llama_state_seq_get_size_ext(self._p, seq, flags)
+        size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
         n = lc.llama_state_seq_get_data_ext(self._p, _bytes_ptr(data), size, seq, flags)
         if n != size:
