@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from localllm.runtime.cache.prefix import common_prefix, kv_holds
+from localllm.runtime.cache.prefix import block_hashes, longest
 
 MAGIC = b"LLMSTAT1"
 _HEAD = struct.Struct("<8sIiQI")  # magic, n_tokens, pos_min, blob bytes, crc32 of the blob
@@ -43,6 +43,7 @@ class _Entry:
     pos_min: int
     size: int  # bytes on disk
     used: float  # last use (mtime), for the LRU
+    hashes: tuple[int, ...]  # block_hashes of its tokens, for best()
 
 
 def _alive(pid: int) -> bool:
@@ -124,7 +125,7 @@ class DiskStates:
                 st = p.stat()
                 if len(toks) != n or st.st_size != _HEAD.size + 4 * n + size:
                     raise ValueError("truncated")
-                self._index[tuple(toks)] = _Entry(p, pos_min, st.st_size, st.st_mtime)
+                self._index[tuple(toks)] = _Entry(p, pos_min, st.st_size, st.st_mtime, block_hashes(toks))
             except (OSError, ValueError, struct.error):
                 with contextlib.suppress(OSError):
                     p.unlink()
@@ -156,16 +157,9 @@ class DiskStates:
 
     def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
         """(key, reusable length) of the stored state serving the longest prefix of `prompt` (as StateLRU.best)."""
-        best, n_best = None, 0
         with self._lock:
-            items = [(k, e.pos_min) for k, e in self._index.items()]
-        for key, pos_min in items:
-            n = common_prefix(key, prompt)
-            if cap is not None:
-                n = min(n, cap)
-            if n > n_best and kv_holds(pos_min, n, n_swa):
-                best, n_best = key, n
-        return best, n_best
+            items = [(k, e.pos_min, e.hashes) for k, e in self._index.items()]
+        return longest(items, prompt, n_swa, cap)
 
     def load(self, key: tuple[int, ...]) -> bytes | None:
         """The blob stored for `key`, checked; None (and the file removed) when it does not check out."""
@@ -264,7 +258,7 @@ class DiskStates:
             # a stored history that is a prefix of this one and holds no earlier positions is redundant
             stale = [k for k, e in self._index.items() if k != key and len(k) <= len(key) and key[:len(k)] == k
                      and e.pos_min >= pos_min]
-            self._index[key] = _Entry(path, pos_min, st.st_size, st.st_mtime)
+            self._index[key] = _Entry(path, pos_min, st.st_size, st.st_mtime, block_hashes(key))
         for k in stale:
             self._remove(k)
         with self._lock:
