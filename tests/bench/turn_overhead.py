@@ -5,7 +5,8 @@
 Three servers with the same model, threads, slots and context: localllm with its engine in a runner process
 (the default), localllm with the engine inside the server (LOCALLLM_RUNNERS=0), and llama.cpp's llama-server. Each
 round sends every server, in turn and in rotating order, the same ~HISTORY-token prefix (cached after the warm-up)
-followed by NEW tokens of text seen for the first time, asking for one token. On a fast GPU, or with a small model,
+followed by NEW tokens of text seen for the first time, asking for one token, after GAP seconds of quiet (the
+servers share 2 cores: one's disk writes must not land in another's measurement). On a fast GPU, or with a small model,
 an agent's turn is mostly such fixed costs (HTTP, tokenizing the whole prompt, matching it against the cache, the
 runner's pipe, the scheduler's turn): the TTFT difference against llama-server at the smallest NEW is what
 localllm's own path adds. Prints medians per server and NEW, and the median paired difference to llama-server.
@@ -25,7 +26,7 @@ from localllm.bench.versus import Server, corpus, llama_server, side_env, timed,
 
 
 async def _rounds(servers: dict[str, Server], history: str, pieces: list[str], rounds: int,
-                  sizes: list[int]) -> dict[tuple[str, int], list[float]]:
+                  sizes: list[int], gap: float) -> dict[tuple[str, int], list[float]]:
     ttft: dict[tuple[str, int], list[float]] = {}
     names = list(servers)
     async with http_client(1) as c:
@@ -36,6 +37,7 @@ async def _rounds(servers: dict[str, Server], history: str, pieces: list[str], r
             for k in sizes:
                 new = pieces[(r * len(sizes) + sizes.index(k)) % len(pieces)][: k * 4]  # ~4 characters a token
                 for name in order:
+                    await asyncio.sleep(gap)  # every server's background work (disk writes, parking ahead) done
                     x = await timed(c, servers[name], history + new, 1)
                     ttft.setdefault((name, k), []).append(1000 * x["ttft_s"])
     return ttft
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--history", type=int, default=4000, help="tokens of cached history (about)")
     ap.add_argument("--new", default="4,64,300", help="new tokens per turn (about), comma-separated")
+    ap.add_argument("--gap", type=float, default=1.0, help="seconds of quiet before each request")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=16384)
@@ -69,7 +72,7 @@ def main() -> None:
         history = f"Session {uuid.uuid4().hex[:8]}.\n" + text[: int(args.history * cpt)]
         rest = text[len(history):]
         pieces = [rest[i:i + 1500] for i in range(0, len(rest) - 1500, 1500)]
-        ttft = asyncio.run(_rounds(servers, history, pieces, args.rounds, sizes))
+        ttft = asyncio.run(_rounds(servers, history, pieces, args.rounds, sizes, args.gap))
     print(f"{args.model}: ~{args.history} cached tokens + NEW tokens, 1 token asked, {args.rounds} rounds "
           f"(TTFT medians, ms; diff: median of paired differences to llama-server)")
     print(f"{'NEW':>5} " + " ".join(f"{n:>16}" for n in servers) + "   diff runner   diff inline")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,25 @@ def test_a_stale_slow_rate_is_probed_and_parking_resumes(tiny_path: Path) -> Non
     assert st["park_skipped"] < CopyCost.PROBE_EVERY and st["parked"] >= 2 and st["hits_ram"] == 1
     assert got.timings.cache_tier == "ram"
     assert_like_reference(tiny_path, again, got.tokens, n=8, ignore_eos=True)
+
+
+def test_the_idle_engines_probe_parks(tiny_path: Path) -> None:
+    """Idle, the engine asks CopyCost whether to park ahead each quarter second; its probe (the PROBE_EVERY-th "no"
+    in a row) must copy. Found in review: park_ahead asked, then park asked again and got the next "no", so no park
+    ahead ever probed."""
+    from localllm.runtime.cache.parking import CopyCost
+
+    greedy = GenerationParams(temperature=0)
+    with Engine(tiny_path, n_ctx=256, slots=1, threads=2, min_park_tokens=16) as e:
+        def slow_and_due() -> None:
+            e._parked.cost.get.add(1, 1e6)
+            e._parked.cost.prefilled(1000, 0.01)
+            e._parked.cost._noes["park"] = CopyCost.PROBE_EVERY - 2  # the second idle tick probes
+
+        e._control(slow_and_due, 10)
+        e.generate(Request([(7 * k) % 250 + 3 for k in range(100)], greedy, max_tokens=4, ignore_eos=True))
+        deadline = time.monotonic() + 5
+        while e.stats()["parked"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = e.stats()
+    assert st["parked"] == 1 and st["park_skipped"] == 0

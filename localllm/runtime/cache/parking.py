@@ -173,13 +173,18 @@ class Parking:
         """Save the part of an idle slot's history that is about to be overwritten, if worth it: in RAM,
         and on disk (written in the background). True when RAM took it. `ram=False` (an unload or shutdown)
         saves to disk whatever the copy costs: a restart may find it."""
+        took = self._park(slot, keep, ram)
+        self.skipped += took is None
+        return bool(took)
+
+    def _park(self, slot: Slot, keep: int, ram: bool = True) -> bool | None:
+        """park(); None where nothing was saved because computing the tokens again costs less (CopyCost)."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
             return slot.parked_ram
         if ram and not self.cost.pays_to_park(len(slot.tokens), self.ctx.state_seq_size(slot.id)):
-            self.skipped += 1
-            return False
+            return None
         try:
             t0 = time.perf_counter()
             blob = self.ctx.state_seq_get(slot.id)
@@ -272,10 +277,9 @@ class Parking:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes. One not worth copying is not marked: an unload
         still saves it to disk (save_all)."""
-        if not self.cost.pays_to_park(len(slot.tokens), self.ctx.state_seq_size(slot.id)):
-            return
-        slot.parked_ram = self.park(slot, keep=0)
-        slot.parked_at = len(slot.tokens)
+        took = self._park(slot, keep=0)  # asks CopyCost once: a probe's "yes" is not asked again
+        if took is not None:
+            slot.parked_ram, slot.parked_at = took, len(slot.tokens)
 
     def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
         """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
