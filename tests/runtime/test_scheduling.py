@@ -327,3 +327,25 @@ def test_the_idle_engines_probe_parks(tiny_path: Path) -> None:
             time.sleep(0.1)
         st = e.stats()
     assert st["parked"] == 1 and st["park_skipped"] == 0
+
+
+def test_copy_cost_is_asked_only_about_restores_that_would_run(tiny_path: Path) -> None:
+    """A chat that goes on in its own slot needs no restore, though its history is also parked (ahead, while idle).
+    CopyCost must not be asked then: each ask counts a "no" where restores do not pay, and the PROBE_EVERY-th "yes"
+    was spent on an admission that restored nothing (found in review)."""
+    greedy = GenerationParams(temperature=0)
+    with Engine(tiny_path, n_ctx=512, slots=1, threads=2, min_park_tokens=16) as e:
+        def slow_restores() -> None:
+            e._parked.cost.set.add(1, 1e6)
+            e._parked.cost.prefilled(1000, 0.01)
+
+        e._control(slow_restores, 10)
+        chat = [(7 * k) % 250 + 3 for k in range(60)]
+        for turn in range(4):
+            r = e.generate(Request(chat, greedy, max_tokens=4, ignore_eos=True))
+            time.sleep(0.4)  # idle: the history is parked ahead, and stays in the slot
+            chat = chat + r.tokens + [5 + turn, 6, 7]
+        noes = dict(e._parked.cost._noes)
+        st = e.stats()
+    assert st["parked"] >= 1 and st["hits_ram"] == 0
+    assert noes["restore"] == 0

@@ -254,11 +254,12 @@ class DiskStates:
         os.replace(tmp, path)
         self.wrote.add(len(blob), busy)
         st = path.stat()
+        entry = _Entry(path, pos_min, st.st_size, st.st_mtime, block_hashes(key))  # hashed outside the lock
         with self._lock:
             # a stored history that is a prefix of this one and holds no earlier positions is redundant
             stale = [k for k, e in self._index.items() if k != key and len(k) <= len(key) and key[:len(k)] == k
                      and e.pos_min >= pos_min]
-            self._index[key] = _Entry(path, pos_min, st.st_size, st.st_mtime, block_hashes(key))
+            self._index[key] = entry
         for k in stale:
             self._remove(k)
         with self._lock:

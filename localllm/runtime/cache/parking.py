@@ -65,7 +65,9 @@ class CopyCost:
     # took 6 ms on the H200, 11x slower per token than 800), and counting those made the answer flip to parking for
     # a few steps at a time, and then park every idle slot at once (320-390 ms)
     PREFILL_SAMPLE: ClassVar[int] = 256
-    # every this many "no"s, one "yes" that copies to measure again (on the H200: one 70 ms park per 16 admissions)
+    # every this many "no"s in a row, one "yes" that copies to measure again. Parks are asked at admissions (the slot
+    # taken, the idle slots cleared) and by the idle engine every quarter second, so on the H200 an idle engine
+    # probes once ~4 s after a request (off anyone's path) and a busy one about every 16 parks it skips (70 ms each)
     PROBE_EVERY: ClassVar[int] = 16
 
     def prefilled(self, n: int, seconds: float) -> None:
@@ -87,6 +89,7 @@ class CopyCost:
         """Copying nbytes through `rates` costs less than computing n tokens; unmeasured: yes. Every PROBE_EVERY-th
         "no" in a row is a "yes" whose copy times `probe` again."""
         tps, speeds = self.prefill.per_s, [r.per_s for r in rates]
+        self._probing.difference_update(probe)  # a probe whose copy never ran (it failed) is over
         if not tps or any(not v for v in speeds) or sum(nbytes / v for v in speeds if v) < n / tps:
             self._noes[decision] = 0
             return True
@@ -295,18 +298,23 @@ class Parking:
                 self.ctx.seq_rm(s.id)
                 s.reset()
 
-    def best(self, prompt: Sequence[int], cap: int) -> tuple[str, tuple[int, ...] | None, int]:
-        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`; a
-        length not worth reusing (prefix_cache.worth_reusing), or whose restore costs more than computing it
-        (CopyCost), counts as none."""
-        tier, (key, n) = "ram", self.ram.best(prompt, self.n_swa, cap)
-        if key is not None and not self.cost.pays_to_restore(n, self.ram.size(key), disk=False):
-            key, n = None, 0
+    def best(self, prompt: Sequence[int], cap: int, need: int = 0) -> tuple[str, tuple[int, ...] | None, int]:
+        """(tier "ram" or "disk", key, reusable length) of the parked state serving most of `prompt`, at least
+        `need` tokens (what the slot or a copy would serve, and a margin), worth reusing (prefix_cache.worth_reusing),
+        and whose restore costs less than computing its tokens (CopyCost; a longer state that does not pay gives way
+        to a shorter one that does). Else (tier, None, 0). CopyCost is asked only here, about a state the caller
+        then restores: a probe's "yes" leads to a timed restore."""
+        found = [("ram", *self.ram.best(prompt, self.n_swa, cap))]
         if self.disk is not None:
-            dkey, dn = self.disk.best(prompt, self.n_swa, cap)
-            if dkey is not None and dn > n and self.cost.pays_to_restore(dn, self.disk.size(dkey), disk=True):
-                tier, key, n = "disk", dkey, dn
-        return (tier, key, n) if worth_reusing(n, len(prompt)) else (tier, None, 0)
+            found.append(("disk", *self.disk.best(prompt, self.n_swa, cap)))
+        for tier, key, n in sorted(found, key=lambda c: -c[2]):  # stable: RAM first among equals
+            if key is None or n < max(need, 1) or not worth_reusing(n, len(prompt)):
+                continue
+            tier_of = self.ram if tier == "ram" else self.disk
+            size = tier_of.size(key) if tier_of is not None else 0
+            if size and self.cost.pays_to_restore(n, size, disk=tier == "disk"):  # 0: dropped meanwhile
+                return tier, key, n
+        return "ram", None, 0
 
     def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
         """The state to restore: removed from RAM (the slot holds it now), read and checked from disk."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -53,7 +53,7 @@ def block_hashes(tokens: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def longest(keys: Iterable[tuple[tuple[int, ...], int, tuple[int, ...]]], prompt: Sequence[int], n_swa: int = 0,
+def longest(keys: Sequence[tuple[tuple[int, ...], int, tuple[int, ...]]], prompt: Sequence[int], n_swa: int = 0,
             cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
     """(key, reusable length) of the saved state, among (key, its first position, its block_hashes), that serves the
     longest prefix of `prompt` (at most `cap`, and only where the state holds what the next token attends to:
@@ -82,7 +82,7 @@ def longest(keys: Iterable[tuple[tuple[int, ...], int, tuple[int, ...]]], prompt
     return best, n_best
 
 
-def _exact(keys: Iterable[tuple[tuple[int, ...], int, tuple[int, ...]]], prompt: tuple[int, ...], n_swa: int,
+def _exact(keys: Sequence[tuple[tuple[int, ...], int, tuple[int, ...]]], prompt: tuple[int, ...], n_swa: int,
            cap: int | None) -> tuple[tuple[int, ...] | None, int]:
     best, n_best = None, 0
     for key, pos_min, _ in keys:

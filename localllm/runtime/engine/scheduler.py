@@ -449,9 +449,11 @@ class Engine(ThreadSubmit):
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans, False),
                   default=None)
         n_src = self._reusable(src, prompt, cap, spans, False) if src is not None else 0
-        tier, key, n_park = self._parked.best(prompt, cap)
+        need = max(n, held(dst)) + _REUSE_MIN
+        # a parked state only where it serves more than the slot and any copy: CopyCost is asked about real restores
+        tier, key, n_park = self._parked.best(prompt, cap, need=max(need, n_src + 1 if src is not None else 0))
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
-        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= max(n, held(dst)) + _REUSE_MIN
+        copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= need
         # taken before parking dst can evict it; None from disk: the file failed its check (removed)
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
         # before dst's restore or prefill: llama.cpp places new cells from the lowest freed one, and attention runs
