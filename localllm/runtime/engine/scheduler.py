@@ -208,12 +208,13 @@ class Engine(ThreadSubmit):
         validate(request)
         prompt = (self.tokenize(request.prompt, add_special=request.add_special,
                                 parse_special=request.parse_special)
-                  if isinstance(request.prompt, str) else [int(t) for t in request.prompt])
+                  if isinstance(request.prompt, str) else list(map(int, request.prompt)))
         if not prompt:
             raise InvalidInput("prompt is empty after tokenization")
-        bad = [t for t in prompt if not (0 <= t < self.model.n_vocab or (request.media and t < 0))]
-        if bad:
-            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        # min and max in C first: a Python test per token cost ~0.2 ms of every 5 000-token turn
+        if max(prompt) >= self.model.n_vocab or (min(prompt) < 0 and not request.media):
+            bad = next(t for t in prompt if not (0 <= t < self.model.n_vocab or (request.media and t < 0)))
+            raise InvalidInput(f"token id {bad} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         spans: list[prompt_media.Span] = []
         if request.media:
             if self.projector is None:

@@ -92,7 +92,9 @@ class _Child:
             self.send(("rejected", rid, exc))
             return
         self.streams[rid] = stream
-        self.send(("accepted", rid, stream.prompt))
+        # the prompt the engine runs, or None where it is the request's own token list (no copy back over the pipe)
+        same = isinstance(request.prompt, list) and stream.prompt == request.prompt
+        self.send(("accepted", rid, None if same else stream.prompt))
         stream.forward(lambda chunk: self.forward(rid, stream, chunk))  # sent from the scheduler thread
 
     def forward(self, rid: str, stream: Any, chunk: Any) -> None:

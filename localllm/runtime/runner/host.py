@@ -186,7 +186,8 @@ class Runner(ThreadSubmit):
                 self._streams.pop(rid, None)
                 self._replies.pop(rid, None)
             raise
-        return Stream(state, request.id, lambda: None, list(reply.value))
+        ran = request.prompt if reply.value is None else reply.value  # None: the request's own tokens
+        return Stream(state, request.id, lambda: None, list(ran))
 
     def generate(self, request: Request) -> Any:
         return self.submit(request).result()

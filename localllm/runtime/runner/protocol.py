@@ -7,7 +7,7 @@ LocalLLMError keeps its status and hint and anything else arrives as an EngineEr
 
 host → child: ("init", path, kwargs) · ("submit", rid, Request) · ("cancel", rid)
               · ("call", cid, target, method, args, kwargs) · ("close",) · ("fault", how) (test hook)
-child → host: ("ready", info) · ("failed", exc) · ("accepted", rid, prompt) · ("rejected", rid, exc)
+child → host: ("ready", info) · ("failed", exc) · ("accepted", rid, prompt | None) · ("rejected", rid, exc)
               · ("chunk", rid, Chunk) · ("reply", cid, value) · ("raise", cid, exc)
 """
 
