@@ -90,7 +90,7 @@ class CopyCost:
         "no" in a row is a "yes" whose copy times `probe` again."""
         tps, speeds = self.prefill.per_s, [r.per_s for r in rates]
         self._probing.difference_update(probe)  # a probe whose copy never ran (it failed) is over
-        if not tps or any(not v for v in speeds) or sum(nbytes / v for v in speeds if v) < n / tps:
+        if not tps or any(not v for v in speeds) or sum(nbytes / v for v in speeds) < n / tps:
             self._noes[decision] = 0
             return True
         self._noes[decision] += 1
@@ -186,11 +186,12 @@ class Parking:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
             return slot.parked_ram
-        if ram and not self.cost.pays_to_park(len(slot.tokens), self.ctx.state_seq_size(slot.id)):
+        size = self.ctx.state_seq_size(slot.id)
+        if ram and not self.cost.pays_to_park(len(slot.tokens), size):
             return None
         try:
             t0 = time.perf_counter()
-            blob = self.ctx.state_seq_get(slot.id)
+            blob = self.ctx.state_seq_get(slot.id, size=size)
             self.cost.copied("get", len(blob), time.perf_counter() - t0)
         except LocalLLMError:
             return False
@@ -304,15 +305,15 @@ class Parking:
         and whose restore costs less than computing its tokens (CopyCost; a longer state that does not pay gives way
         to a shorter one that does). Else (tier, None, 0). CopyCost is asked only here, about a state the caller
         then restores: a probe's "yes" leads to a timed restore."""
-        found = [("ram", *self.ram.best(prompt, self.n_swa, cap))]
+        tiers: list[tuple[str, StateLRU | DiskStates]] = [("ram", self.ram)]
         if self.disk is not None:
-            found.append(("disk", *self.disk.best(prompt, self.n_swa, cap)))
-        for tier, key, n in sorted(found, key=lambda c: -c[2]):  # stable: RAM first among equals
+            tiers.append(("disk", self.disk))
+        found = [(tier, t, *t.best(prompt, self.n_swa, cap)) for tier, t in tiers]
+        for tier, t, key, n in sorted(found, key=lambda c: -c[3]):  # stable: RAM first among equals
             if key is None or n < max(need, 1) or not worth_reusing(n, len(prompt)):
                 continue
-            tier_of = self.ram if tier == "ram" else self.disk
-            size = tier_of.size(key) if tier_of is not None else 0
-            if size and self.cost.pays_to_restore(n, size, disk=tier == "disk"):  # 0: dropped meanwhile
+            size = t.size(key)  # 0: dropped from disk meanwhile
+            if size and self.cost.pays_to_restore(n, size, disk=tier == "disk"):
                 return tier, key, n
         return "ram", None, 0
 

@@ -586,11 +586,13 @@ class Context:
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         return int(lc.llama_state_seq_get_size_ext(self._p, seq, flags))
 
-    def state_seq_get(self, seq: int, *, partial: bool = False) -> bytes:
+    def state_seq_get(self, seq: int, *, partial: bool = False, size: int | None = None) -> bytes:
         """The sequence's state; partial: only what cannot be rolled back (a sliding-window model's SWA
-        layers, a recurrent state) — a checkpoint, restored over the full layers' cells kept in place."""
+        layers, a recurrent state) — a checkpoint, restored over the full layers' cells kept in place.
+        `size`: state_seq_size's answer where the caller asked it already (the cells are walked once)."""
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        size = self.state_seq_size(seq, partial=partial)
+        if size is None:
+            size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
         n = lc.llama_state_seq_get_data_ext(self._p, _bytes_ptr(data), size, seq, flags)
         if n != size:
