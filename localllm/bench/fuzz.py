@@ -5,8 +5,9 @@ slots, prompts longer than the model's sliding window, shared and diverging pref
 editor buffer edited in the middle now and then, a common system prefix with different questions,
 repeats of earlier prompts), cancellations after k chunks, parked and restored states (more long
 prompts than slots; sometimes a state cache of a few states only), context shifts (the `shift`
-policy, long max_tokens, ignore_eos), and prompt-lookup / draft-model drafting on and off (the
-model drafts for itself). Between and *while* those run, probes — greedy prompts, short ones, ones
+policy, long max_tokens, ignore_eos), prompt-lookup / draft-model drafting on and off (the
+model drafts for itself), and next turns opened ahead by the idle engine (Request.next_turn).
+Between and *while* those run, probes — greedy prompts, short ones, ones
 sharing prefixes with earlier requests, ones longer than the window — must give the tokens a fresh
 single-sequence llama.cpp context gives (eval/reference.py), up to near-ties of TOL logits. The
 first tokens of every greedy background request that ran to its end are checked the same way.
@@ -148,8 +149,10 @@ class _Fuzzer(Traffic):
             if it.after is not None and 0 <= it.after < i:
                 started[it.after].wait(timeout=120)
             params = GenerationParams(temperature=it.temperature, seed=it.seed)
+            # most say how their next turn opens: the idle engine decodes it ahead (sc_continue's turns use it)
             req = Request(list(it.tokens), params, max_tokens=it.max_tokens, ignore_eos=it.ignore_eos,
-                          context_policy=it.policy, n_keep=it.n_keep, draft_max=it.draft_max)  # type: ignore[arg-type]
+                          context_policy=it.policy, n_keep=it.n_keep, draft_max=it.draft_max,  # type: ignore[arg-type]
+                          next_turn=self.opening() if self.rng.random() < 0.7 else [])
             try:
                 stream = engine.submit(req)
             except Exception as exc:  # noqa: BLE001 - a refused request is reported, not fatal

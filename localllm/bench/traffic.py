@@ -125,8 +125,12 @@ class Traffic:
         return self.tok(f"Write a short story about {self.rng.choice(_TOPICS)}, "
                         f"{self.rng.choice(['in', 'with', 'for'])} {self.rng.choice(_WORDS)}.")
 
+    def opening(self) -> list[int]:
+        """How every next turn (sc_continue's question) opens: what requests say is their next_turn."""
+        return self.tok(" Question:", False)
+
     def question(self) -> list[int]:
-        return self.tok(" Question: " + self.rng.choice(_QUESTIONS) + " Answer:", False)
+        return self.opening() + self.tok(" " + self.rng.choice(_QUESTIONS) + " Answer:", False)
 
     def sharing_probe(self) -> list[int]:
         """An earlier prompt cut somewhere (often beyond the window) with a new ending."""

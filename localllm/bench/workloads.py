@@ -13,6 +13,9 @@ ratios localllm / other (below 1 is better for times, above 1 for rates).
   tool result; replies of 24 tokens. Total wall, and TTFT p50 of turns 2-8;
 - revisits: 8 chats, each with its own ~830-token system prompt, on 4 slots: every chat's first turn in
   order, then every chat's second turn in the same order. TTFT p50 of the second turns;
+- revisits, chat: the same over each server's /v1/chat/completions (messages, the template of the model on both:
+  its GGUF's, else the catalog's fallback, which llama-server is given by name), a user's pause (REVISIT_PAUSE s)
+  before each request, replies ending on their own (EOS not ignored) or at 16 tokens;
 - code edit: a ~150-line Python file quoted with a request for a small change, the reply opened with
   "```python" so the model copies the file; 256 tokens. Decode tok/s;
 - trimmed reply: a ~600-token chat gets a 300-token reply, then the same prompt again (a regenerate: the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -35,11 +39,13 @@ import httpx
 
 from localllm.bench.http import http_client, localllm_server, model_file
 from localllm.bench.versus import SIDES, Server, check_binary, corpus, llama_server, side_env, timed, tokenize
+from localllm.errors import InvalidInput
 
 TUNED = "llama-server tuned"
 TUNED_FLAGS = ("--cache-reuse", "256", "--spec-type", "ngram-simple")
 AGENT_SYSTEM, AGENT_TURNS, AGENT_TOOL, AGENT_REPLY = 2500, 8, 300, 24
 REVISIT_CHATS, REVISIT_SYSTEM, REVISIT_REPLY = 8, 830, 16
+REVISIT_PAUSE = 0.5  # seconds before each request of the chat revisits: a user reads the reply and types
 CODE_LINES, CODE_REPLY = 150, 256
 TRIM_REPLY, TRIM_AGAIN = 300, 24  # the regenerate's length does not change its TTFT
 DOC_TOKENS, DOC_REPLY = 3500, 8
@@ -93,6 +99,17 @@ def revisit_prompt(t: Texts, tag: str, r: int, chat: int, reply: str | None = No
     return render(msgs)
 
 
+def revisit_messages(t: Texts, tag: str, r: int, chat: int, reply: str | None = None) -> list[dict[str, str]]:
+    """revisit_prompt's turns as chat messages."""
+    msgs = [{"role": "system", "content": f"Session {tag}, chat {chat}: you answer questions about this code.\n"
+             + t.take(40_000 + 7001 * r + REVISIT_SYSTEM * chat, REVISIT_SYSTEM)},
+            {"role": "user", "content": f"What is the code of chat {chat} for?"}]
+    if reply is not None:
+        msgs += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": "Which function would you test first, and why?"}]
+    return msgs
+
+
 def code_prompt(t: Texts, tag: str) -> str:
     ask = (f"Here is a file:\n```python\n{t.source}\n```\n"
            "Rename the class `Result` to `Outcome` everywhere and give me the whole file back.")
@@ -133,6 +150,28 @@ async def ask(c: httpx.AsyncClient, srv: Server, prompt: str, n: int) -> Reply:
                  int((final.get("timings") or {}).get("cache_n", 0)), int(final.get("tokens_evaluated") or 0))
 
 
+async def ask_chat(c: httpx.AsyncClient, srv: Server, messages: list[dict[str, str]], n: int) -> Reply:
+    """A streamed greedy /v1/chat/completions: TTFT to the first content, the reply, the prompt's token count."""
+    body = {"model": srv.model, "messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": True}
+    t0, first, text, usage = time.perf_counter(), 0.0, [], {}
+    async with c.stream("POST", srv.base + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{srv.base}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    ttft = 1000 * (first - t0) if first else float("nan")
+    return Reply("".join(text), ttft, 0.0, 0, int(usage.get("prompt_tokens") or 0))
+
+
 # ---- workloads (a server, the texts, the round's tag and number → figures and greedy texts) -----------
 @dataclass(frozen=True)
 class Outcome:
@@ -160,6 +199,19 @@ async def revisits(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
                    [x.text for x in first + again])
 
 
+async def chat_revisits(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
+    async def turn(c: httpx.AsyncClient, msgs: list[dict[str, str]]) -> Reply:
+        await asyncio.sleep(REVISIT_PAUSE)
+        return await ask_chat(c, srv, msgs, REVISIT_REPLY)
+
+    async with http_client(1) as c:
+        first = [await turn(c, revisit_messages(t, tag, r, i)) for i in range(REVISIT_CHATS)]
+        again = [await turn(c, revisit_messages(t, tag, r, i, first[i].text)) for i in range(REVISIT_CHATS)]
+    return Outcome({"chat_revisit_ttft_p50_ms": statistics.median(x.ttft_ms for x in again),
+                    "chat_revisit_prompt_tokens": statistics.median(x.prompt_tokens for x in again)},
+                   [x.text for x in first + again])
+
+
 async def code_edit(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
     async with http_client(1) as c:
         x = await ask(c, srv, code_prompt(t, tag), CODE_REPLY)
@@ -178,7 +230,8 @@ async def trimmed(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
 
 Job = Callable[[Server, Texts, str, int], Coroutine[None, None, Outcome]]
 WORKLOADS: dict[str, tuple[str, Job]] = {"agent": ("agent loop", agent_loop), "revisits": ("revisits", revisits),
-                                         "code": ("code edit", code_edit), "trim": ("trimmed reply", trimmed)}
+                                         "chat": ("revisits, chat", chat_revisits), "code": ("code edit", code_edit),
+                                         "trim": ("trimmed reply", trimmed)}
 
 
 def reopened(model: str, t: Texts, tag: str, *, threads: int, ctx: int, slots: int,
@@ -239,6 +292,7 @@ class Settings:
     repack: bool
     tuned: bool
     gpu_layers: int | None = None  # None: each server's own fit to the GPU's free memory
+    chat_template: str | None = None  # the built-in template both render the chat workload with (None: their own)
 
 
 @dataclass
@@ -265,19 +319,23 @@ def report(model: str, binary: Path, settings: Settings, tally: Tally, reopen: l
 
 
 def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: int = 4, rounds: int = 3,
-        repack: bool = False, tuned: bool = False, gpu_layers: int | None = None,
+        repack: bool = False, tuned: bool = False, gpu_layers: int | None = None, chat_template: str | None = None,
         log: Callable[[str], None] | None = None) -> Report:
     """The workloads on localllm and llama-server (and the tuned llama-server); `model` is an installed name."""
     say = log or (lambda msg: None)
     check_binary(binary)
     model_file(model)  # an unknown name fails here, before a server starts
-    env = side_env(repack, gpu_layers)
+    template = chat_template or fallback_template(model)
+    if template is not None and template not in LLAMA_CPP_TEMPLATES:
+        raise InvalidInput(f"--chat-template {template!r} is not one both servers have built in",
+                           f"use one of {', '.join(LLAMA_CPP_TEMPLATES)}")
+    env = side_env(repack, gpu_layers) | ({"LOCALLLM_CHAT_TEMPLATE": template} if template else {})
     sides = (*SIDES, TUNED) if tuned else SIDES
     nonce = f"{time.time_ns() % 10**12:x}"  # no prompt of an earlier run is in anyone's cache
     tally = Tally(sides)
     with contextlib.ExitStack() as stack:
         servers = _start(stack, model, binary, sides, threads=threads, ctx=ctx, slots=slots, repack=repack, env=env,
-                         gpu_layers=gpu_layers)
+                         gpu_layers=gpu_layers, template=template)
         texts = asyncio.run(_texts(servers))
         for r in range(rounds):
             order = sides if r % 2 == 0 else sides[::-1]
@@ -294,22 +352,41 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
         reopen.append(reopened(model, texts, f"{nonce}.{r}.doc", threads=threads, ctx=ctx, slots=slots, env=env))
         say(f"  round {r + 1}/{rounds}: localllm, a document, a restart, a new question: "
             f"{time.perf_counter() - t0:.0f} s")
-    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned, gpu_layers), tally, reopen)
+    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned, gpu_layers, template), tally,
+                  reopen)
 
 
 def _start(stack: contextlib.ExitStack, model: str, binary: Path, sides: Sequence[str], *, threads: int,
-           ctx: int, slots: int, repack: bool, env: dict[str, str], gpu_layers: int | None) -> dict[str, Server]:
+           ctx: int, slots: int, repack: bool, env: dict[str, str], gpu_layers: int | None,
+           template: str | None = None) -> dict[str, Server]:
     """Every side's server, up and warm (localllm loads its model lazily); stopped when `stack` closes."""
     url = stack.enter_context(localllm_server(threads=threads, ctx=ctx, slots=slots, extra_env=env))[0]
     servers = {SIDES[0]: Server(url, model)}
     path = model_file(model)
+    # llama-server renders chats with localllm's template (env) where it is not the GGUF's: its built-in of that name
+    # (with Jinja on, the flag's value is taken as a template's source)
     for side in sides[1:]:
-        flags = TUNED_FLAGS if side == TUNED else ()
+        flags = (*(TUNED_FLAGS if side == TUNED else ()), *(("--no-jinja", "--chat-template", template) if template else ()))
         url = stack.enter_context(llama_server(binary, path, threads=threads, ctx=ctx, slots=slots, repack=repack,
                                                extra=flags, gpu_layers=gpu_layers))
         servers[side] = Server(url, model)
     asyncio.run(_warm(servers))
     return servers
+
+
+def fallback_template(model: str) -> str | None:
+    """The catalog's built-in template localllm renders an installed model's chats with where its GGUF has none
+    (gemma-3-270m: gemma); None where the GGUF has one (both servers read it)."""
+    from localllm.models.catalog import Catalog
+    from localllm.models.gguf_meta import model_info
+
+    if model_info(model_file(model)).chat_template:
+        return None
+    name = str((Catalog.load().entry(model) or {}).get("template") or "")
+    return name if name in LLAMA_CPP_TEMPLATES else None
+
+
+LLAMA_CPP_TEMPLATES = ("chatml", "gemma", "llama3", "phi3", "command-r")  # built-in names both servers know
 
 
 async def _warm(servers: dict[str, Server]) -> None:
@@ -339,6 +416,8 @@ class Row:
 ROWS = (Row("agent_wall_s", "agent loop: total wall, 8 turns (s)", ".1f", True, 1.03),
         Row("agent_ttft_p50_ms", "agent loop: TTFT p50, turns 2-8 (ms)", ".0f", True, 1.03),
         Row("revisit_ttft_p50_ms", "revisits: TTFT p50, 8 chats on 4 slots (ms)", ".0f", True, 0.4),
+        Row("chat_revisit_ttft_p50_ms", "revisits over chat: TTFT p50, a user's pause (ms)", ".0f", True, 0.4),
+        Row("chat_revisit_prompt_tokens", "revisits over chat: prompt tokens (p50)", ".0f", True),
         Row("code_decode_tps", "code edit: decode tok/s", ".1f", False, 1.5),
         Row("trim_cold_ttft_ms", "trimmed reply: TTFT cold (ms)", ".0f", True),
         Row("trim_regen_ttft_ms", "trimmed reply: TTFT regenerate (ms)", ".0f", True),
@@ -371,7 +450,8 @@ def print_table(rep: Report) -> None:
 
     s = rep.settings
     t = Table(title=f"workloads: localllm vs llama-server — {rep.model}, {s.threads} threads, {s.slots} slots, "
-                    f"ctx {s.ctx}, repack {'on' if s.repack else 'off'}, medians of {s.rounds} alternating rounds")
+                    f"ctx {s.ctx}, repack {'on' if s.repack else 'off'}, chats in {s.chat_template or 'the GGUF template'}, "
+                    f"medians of {s.rounds} alternating rounds")
     heads = ["workload metric", "localllm", "llama-server default", *(["llama-server tuned"] if s.tuned else []),
              "ratio", *(["ratio vs tuned"] if s.tuned else []), "target"]
     for h in heads:

@@ -57,6 +57,9 @@ def _given(param: str) -> bool:
 @click.option("--workloads", is_flag=True, help="With --http --vs-llama-server: instead, what clients do: an agent loop, "
               "chats revisited on 4 slots, a code edit, a regenerated reply, and (localllm alone) a document reopened "
               "after a restart with a new question; --slots defaults to 4 and --ctx to 16384 here.")
+@click.option("--chat-template", "chat_template", metavar="NAME",
+              help="With --workloads: the built-in template both servers render the chat workload with (chatml, "
+              "gemma, llama3, phi3, command-r). Default: the GGUF's own, else the catalog's where llama.cpp knows it.")
 @click.option("--tuned", is_flag=True, help="With --workloads: also llama-server with --cache-reuse 256 --spec-type "
               "ngram-simple, a third column.")
 @click.option("--vs-inline", is_flag=True, help="With --http: instead, runner processes against the engine inside "
@@ -76,7 +79,7 @@ def _given(param: str) -> bool:
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_llama_server: Path | None, rounds: int,
-          slots: int, repack: bool, gpu_layers: int | None, cold_tokens: int, workloads: bool, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
+          slots: int, repack: bool, gpu_layers: int | None, cold_tokens: int, workloads: bool, chat_template: str | None, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
@@ -91,6 +94,8 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
     if workloads and not (http and vs_llama_server is not None):
         raise click.BadOptionUsage("workloads", "'--workloads' needs --http and --vs-llama-server PATH")
+    if chat_template and not workloads:
+        raise click.BadOptionUsage("chat_template", "'--chat-template' needs --workloads")
     if tuned and not workloads:
         raise click.BadOptionUsage("tuned", "'--tuned' needs --workloads")
     if fuzz:
@@ -134,7 +139,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         if workloads and vs_llama_server is not None:
             _workloads(model, vs_llama_server, threads=threads or 2, ctx=ctx if _given("ctx") else 16384,
                        slots=slots if _given("slots") else 4, rounds=rounds, repack=repack, tuned=tuned,
-                       gpu_layers=gpu_layers, as_json=as_json)
+                       gpu_layers=gpu_layers, chat_template=chat_template, as_json=as_json)
             return
         if vs_llama_server is not None and not soak:
             from localllm.bench import versus
@@ -183,7 +188,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
 
 def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, rounds: int, repack: bool,
-               tuned: bool, gpu_layers: int | None, as_json: bool) -> None:
+               tuned: bool, gpu_layers: int | None, chat_template: str | None, as_json: bool) -> None:
     import dataclasses
     import json
 
@@ -195,7 +200,7 @@ def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, 
     sides = 3 if tuned else 2
     say(f"localllm vs {binary}, workloads: {rounds} alternating rounds (about {sides * rounds + rounds} minutes)...")
     rep = bench_workloads.run(model, binary, threads=threads, ctx=ctx, slots=slots, rounds=rounds, repack=repack,
-                              tuned=tuned, gpu_layers=gpu_layers, log=say)
+                              tuned=tuned, gpu_layers=gpu_layers, chat_template=chat_template, log=say)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(rep), indent=2))
     else:

@@ -16,6 +16,7 @@ from typing import Any
 from localllm.compose import templates
 from localllm.errors import InvalidInput
 from localllm.runtime.api import ModelView
+from localllm.runtime.cache.prefix import common_prefix
 
 FALLBACK_TEMPLATE = "plain"
 # GGUF metadata key stem -> the role names templates.fim_prompt expects
@@ -32,6 +33,7 @@ class ChatFormat:
     fim: dict[str, str] = field(default_factory=dict)
     bos_token: str = ""  # the model's BOS/EOS as text, for templates that write them ({{ bos_token }})
     eos_token: str = ""
+    _next_turn: dict[tuple[Any, bool], list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True,
                **extra: Any) -> templates.ChatParts:
@@ -61,6 +63,28 @@ class ChatFormat:
 
     def render_text(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return self.render(messages, **extra).text
+
+    def next_turn(self, model: ModelView, **extra: Any) -> list[int]:
+        """The tokens a conversation's next prompt puts after an assistant reply (Request.next_turn): the template's
+        end of turn, which must start with an end-of-generation token (where a reply that ended on its own ends),
+        and the next user turn's opening, up to where the user's text may join it in one token. Cached per
+        reasoning setting and tools on or off: one template, one vocabulary."""
+        key = (extra.get("enable_thinking"), bool(extra.get("tools")))
+        if key not in self._next_turn:
+            toks: list[int] = []
+            if self.template is not None:
+                try:
+                    text = templates.next_turn_opening(
+                        self.template, bos_token=self.bos_token, eos_token=self.eos_token,
+                        **templates.template_context(self.template, extra))
+                except Exception:  # noqa: BLE001 - a template that refuses the probe: no next turn decoded ahead
+                    text = ""
+                if text:
+                    toks = model.tokenize(text, add_special=False, parse_special=True)
+                    joined = model.tokenize(text + "Hi", add_special=False, parse_special=True)
+                    toks = toks[:common_prefix(toks, joined)] if toks and model.is_eog(toks[0]) else []
+            self._next_turn[key] = toks
+        return list(self._next_turn[key])
 
 
 class JSONObject(dict[str, Any]):

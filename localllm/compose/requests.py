@@ -31,6 +31,7 @@ from localllm.compose.reply_plan import reply_plan, thinking, tool_choice
 from localllm.compose.templates import fim_prompt, truncate_history
 from localllm.compose.tool_grammar import call_grammar
 from localllm.errors import InvalidInput
+from localllm.runtime.api import ModelView
 from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.engine.context_shift import overflow
 from localllm.runtime.types import MAX_N_PROBS, ContextPolicy, GenerationParams, Image, Notice, Request
@@ -117,6 +118,13 @@ class _Rendering:
                                tools=self.tools or False)
         return text, fmt, parts.system_prefix
 
+    def next_turn(self, model: ModelView) -> list[int]:
+        """Request.next_turn for this rendering (ChatFormat.next_turn)."""
+        extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        if self.think is not None:
+            extra["enable_thinking"] = self.think
+        return self.fmt.next_turn(model, **extra)
+
 
 class RequestBuilder:
     """Requests for one loaded model. `model` needs tokenize(text, add_special=, parse_special=) and n_ctx
@@ -174,6 +182,7 @@ class RequestBuilder:
         req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
         req.media = images
         req.show_special = preserved(self.fmt.template) + (fmt.think or ())
+        req.next_turn = how.next_turn(self.model.model)
         if how.forced:
             assert how.tools is not None
             if req.grammar is not None or req.json_schema is not None:

@@ -420,6 +420,20 @@ def render_chat_parts(template: str, messages: Sequence[dict[str, Any]], **kwarg
     return ChatParts(text, _common_prefix(prefix, text))
 
 
+def next_turn_opening(template: str, **kwargs: Any) -> str:
+    """What the template writes between an assistant reply and the next user message's content: its end of turn
+    and the user turn's opening ("<|im_end|>\\n<|im_start|>user\\n"). Found as the system prefix is: two renders
+    whose last user message differs part where that content starts. "" where the reply is not written as it was
+    given (the sentinel is missing, or written twice)."""
+    renders = []
+    for sentinel in ("\x02", "\x04"):
+        messages = [{"role": "user", "content": "\x01"}, {"role": "assistant", "content": "\x03"},
+                    {"role": "user", "content": sentinel}]
+        renders.append(render_chat(template, messages, add_generation_prompt=True, **kwargs))
+    head = _common_prefix(*renders)
+    return head.split("\x03")[1] if head.count("\x03") == 1 else ""
+
+
 def _common_prefix(a: str, b: str) -> str:
     n = 0
     for x, y in zip(a, b):

@@ -138,6 +138,10 @@ class Request:
     editor: bool = False
     # images, in the order their tokens (Image.tokens) appear in `prompt` (token ids from Engine.tokenize_media)
     media: list[Image] = field(default_factory=list)
+    # a chat's: the tokens its next prompt puts after this reply (the template's end of turn, starting with an
+    # end-of-generation token, and the next user turn's opening). An idle engine decodes them into the slot, after
+    # the reply's last token where a length limit left it undecoded, so the next turn prefills only its message
+    next_turn: list[int] = field(default_factory=list)
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

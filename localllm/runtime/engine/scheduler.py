@@ -52,6 +52,9 @@ __all__ = ["Engine", "Stream"]
 # idle this long, the engine parks idle histories (RAM, disk, checkpoints) ahead of need, so the next request
 # that takes their slot does not wait for it; back-to-back requests (an agent's turns) come sooner than this
 _PARK_AHEAD_S = 0.25
+# idle this long, it decodes the openings of chats' next turns (Request.next_turn): a user reads and types for longer,
+# an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
+_TURN_AHEAD_S = 0.1
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
@@ -136,7 +139,7 @@ class Engine(ThreadSubmit):
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
-            "shifted_chunks": 0}
+            "shifted_chunks": 0, "ahead_tokens": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         self.projector: Projector | None = None  # when the model reads images
@@ -352,17 +355,22 @@ class Engine(ThreadSubmit):
         while not self._stop:
             busy = bool(self._waiting) or any(s.job for s in self.slots)
             self._parked.engine_busy(busy)
-            ahead = None if busy else self._parked.ahead(self.slots)
+            turns = not busy and any(s.ahead for s in self.slots)  # next turns to open (_decode_ahead) first
+            ahead = None if busy or turns else self._parked.ahead(self.slots)
             try:
                 if busy:
                     item = self._inbox.get_nowait()
-                elif ahead is None:
+                elif not turns and ahead is None:
                     item = self._inbox.get()
                 else:
                     try:
-                        item = self._inbox.get(timeout=_PARK_AHEAD_S)
+                        item = self._inbox.get(timeout=_TURN_AHEAD_S if turns else _PARK_AHEAD_S)
                     except queue.Empty:
-                        self._parked.park_ahead(ahead)
+                        if turns:
+                            self._parked.engine_busy(True)
+                            self._decode_ahead()
+                        else:
+                            self._parked.park_ahead(ahead)
                         continue
                 while True:
                     if item is not None:
@@ -506,7 +514,7 @@ class Engine(ThreadSubmit):
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
-        dst.prompt_len, dst.editor, dst.parked_at = len(prompt), editor, -1
+        dst.prompt_len, dst.editor, dst.parked_at, dst.ahead = len(prompt), editor, -1, []
         job.pending = prompt[n:]
         # llama-server's cuts (its greedy output) for a cold prompt; none for a continuation of a cached history (a
         # chat's next turn: a decode call saved) where no checkpoint needs a batch to end
@@ -703,6 +711,35 @@ class Engine(ThreadSubmit):
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
             self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), computed)  # the checkpoints' copies left out
 
+    def _decode_ahead(self) -> None:
+        """With no request to serve, decode what chats' next prompts will put after their replies (Request.next_turn:
+        the template's end of turn and the next user turn's opening), so that a next turn prefills only its own
+        message. Nothing is sampled: no logits. Where the cache has no room, the histories stay as they were."""
+        batch = self._batch
+        batch.clear()
+        took: list[tuple[Slot, list[int]]] = []
+        for s in self.slots:
+            toks, s.ahead = s.ahead, []
+            if s.job is not None or not toks or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.free:
+                continue
+            if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
+                self._take_checkpoint(s, len(s.tokens))
+            for i, tok in enumerate(toks):
+                batch.add(tok, len(s.tokens) + i, s.id, False)
+            took.append((s, toks))
+        if not took:
+            return
+        try:
+            self.ctx.decode(batch)
+        except Exception:  # noqa: BLE001 - an optimisation: no room (NoKVSlot) or a failed decode costs only the gain
+            for s, _ in took:
+                self.ctx.seq_rm(s.id, len(s.tokens), -1)
+            return
+        for s, toks in took:
+            s.extend(toks)
+        self._counters["ahead_tokens"] += sum(len(t) for _, t in took)
+        self._kv_pos = [self.ctx.seq_pos_max(s.id) for s in self.slots]
+
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
 
@@ -784,6 +821,7 @@ class Engine(ThreadSubmit):
             job.timings.prompt_ms = (now - job.t_admit) * 1000
         req = job.request
         if self.model.is_eog(tok) and not req.ignore_eos:
+            s.ahead = self._next_turn(s, job, [])
             self._finish(s, "stop")
             return
         job.out_tokens.append(tok)
@@ -795,10 +833,21 @@ class Engine(ThreadSubmit):
         if hit:
             self._finish(s, "stop", text=text, tokens=[tok])
         elif req.max_tokens is not None and len(job.out_tokens) >= req.max_tokens:
+            s.ahead = self._next_turn(s, job, [tok])
             self._finish(s, "length", text=text, tokens=[tok])
         else:
             job.next_tokens = [tok]
             job.stream.put(job.chunk(text, [tok]))
+
+    @staticmethod
+    def _next_turn(s: Slot, job: Job, undecoded: list[int]) -> list[int]:
+        """What the idle engine decodes after a reply that ended on its own or at its length limit: the reply's last
+        token where it was sampled but not decoded, then the request's next_turn. Nothing where the history is not
+        the prompt and the reply (a shift, drafts accepted past the end)."""
+        nt = job.request.next_turn
+        if not nt or s.stale or len(s.tokens) != len(job.prompt) + len(job.out_tokens) - len(undecoded):
+            return []
+        return [*undecoded, *nt]
 
     def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
                 error: Exception | None = None) -> None:

@@ -171,12 +171,14 @@ class Slot:
     parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
     parked_ram: bool = False  # ... and whether the RAM tier took it then
     stale: bool = False  # its memory holds tokens the history no longer lists (a recurrent state after a shift)
+    ahead: list[int] = field(default_factory=list)  # to decode after tokens while the engine idles (Request.next_turn)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
         del self.tokens[n:]
         self.checkpoints = [c for c in self.checkpoints if c.n <= n]
         self.parked_at = -1
+        self.ahead = []
 
     def reset(self, tokens: list[int] | None = None) -> None:
         """A new history (the KV cache holds `tokens` for this sequence now, or nothing)."""
@@ -184,6 +186,12 @@ class Slot:
         self.checkpoints = []
         self.parked_at = -1
         self.stale = False
+        self.ahead = []
+
+    def extend(self, tokens: list[int]) -> None:
+        """The KV cache holds `tokens` after the history now (decoded while no request ran)."""
+        self.tokens += tokens
+        self.parked_at = -1
 
     def checkpoint(self, n: int, blob: bytes) -> None:
         """Keep a checkpoint at n (after the others: a prefill moves forward). The earliest stays while the

@@ -1,0 +1,161 @@
+"""A chat's next turn opened ahead (Request.next_turn): once a reply has ended, the idle engine decodes what the
+next prompt puts after it (the template's end of turn and the next user turn's opening), so the next turn
+prefills only its own message; the answers stay the fresh-context reference's."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from scriptmodel import make_script_gguf
+from tinymodel import make_tiny_gguf
+
+from localllm.compose.formats import ChatFormat, builtin_format
+from localllm.compose.requests import Options, RequestBuilder
+from localllm.eval.reference import Reference, compare
+from localllm.runtime.engine.scheduler import Engine
+from localllm.runtime.types import GenerationParams, Request
+from tests.tinymodel import make_tiny_gemma3_gguf, make_tiny_mamba_gguf
+
+GREEDY = GenerationParams(temperature=0)
+NEXT = [5, 6, 7]  # a next turn's opening, as token ids
+
+
+def _prompt(seed: int, n: int = 120) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 500) for _ in range(n - 1)]
+
+
+def _ahead(e: Engine, n: int) -> None:
+    """Wait for the idle engine to have decoded n tokens ahead in all."""
+    for _ in range(500):
+        if e.stats()["ahead_tokens"] >= n:
+            break
+        time.sleep(0.01)
+    assert e.stats()["ahead_tokens"] == n
+
+
+def _check(path: Path, prompt: list[int], got: list[int], n: int) -> None:
+    with Reference(path, n_ctx=2048, threads=2) as ref:
+        verdict = compare(ref, prompt, got, n=n, ignore_eos=True, follow=True)
+    assert verdict.ok, verdict
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gguf(tmp_path_factory.mktemp("next") / "tiny.gguf", seed=5)
+
+
+def test_the_next_turn_is_prefilled_from_the_end_of_its_opening(tiny: Path) -> None:
+    p = _prompt(1)
+    with Engine(tiny, n_ctx=1024, slots=2, threads=2) as e:
+        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        # the reply hit its length limit: its last token was sampled, not decoded; it goes first
+        _ahead(e, 1 + len(NEXT))
+        turn2 = p + first.tokens + NEXT + [300, 301, 302]
+        second = e.generate(Request(turn2, GREEDY, max_tokens=8, ignore_eos=True))
+        assert second.usage.cached_tokens == len(p) + len(first.tokens) + len(NEXT)
+        # another next turn (a tool's result, not the user's): what it shares is reused, the rest dropped
+        other = turn2 + second.tokens + NEXT[:1] + [400, 401]
+        e.generate(Request(turn2, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        _ahead(e, 2 * (1 + len(NEXT)))
+        third = e.generate(Request(other, GREEDY, max_tokens=8, ignore_eos=True))
+        assert third.usage.cached_tokens == len(turn2) + len(second.tokens) + 1
+    _check(tiny, turn2, second.tokens, 8)
+    _check(tiny, other, third.tokens, 8)
+
+
+def test_nothing_is_decoded_ahead_while_a_request_runs(tiny: Path) -> None:
+    with Engine(tiny, n_ctx=1024, slots=2, threads=2) as e:
+        long = e.submit(Request(_prompt(2), GREEDY, max_tokens=400, ignore_eos=True))
+        chunks = iter(long)
+        next(chunks)
+        e.generate(Request(_prompt(3), GREEDY, max_tokens=4, ignore_eos=True, next_turn=NEXT))
+        assert e.stats()["ahead_tokens"] == 0  # the other slot still generates
+        for _ in chunks:
+            pass
+        _ahead(e, 1 + len(NEXT))
+
+
+def test_a_request_that_takes_the_slot_first_drops_what_was_due_ahead(tiny: Path) -> None:
+    """A job admitted before the engine idled: the old reply's opening is not decoded after the new history."""
+    p = _prompt(4)
+    with Engine(tiny, n_ctx=1024, slots=1, threads=2) as e:
+        gate, held = threading.Event(), threading.Event()
+        # hold the scheduler so that both requests queue up: the second one waits while the first one runs
+        threading.Thread(target=e._control, args=(lambda: (held.set(), gate.wait(5)), None), daemon=True).start()
+        held.wait(5)
+        a = e.submit(Request(p, GREEDY, max_tokens=4, ignore_eos=True, next_turn=NEXT))
+        q = p + [250, 251]
+        b = e.submit(Request(q, GREEDY, max_tokens=4, ignore_eos=True))
+        gate.set()
+        a.result()
+        got = b.result()
+        time.sleep(0.3)
+        assert e.stats()["ahead_tokens"] == 0
+        assert e.slots[0].tokens == q + got.tokens[:-1]
+    _check(tiny, q, got.tokens, 4)
+
+
+def test_a_reply_that_ended_on_its_own_opens_the_templates_next_turn(tmp_path: Path) -> None:
+    """End to end through the request builder: the template's end of turn starts with an end-of-generation token,
+    and a reply ended by one is followed by the whole opening; the second turn prefills only its message."""
+    path = make_script_gguf(tmp_path / "script.gguf", ["assistant\n", "Hello", " there."])
+    with Engine(path, n_ctx=512, slots=1, threads=2) as e:
+        fmt = builtin_format("chatml", e.model)
+        build = RequestBuilder(fmt, e)
+        turns = [{"role": "user", "content": "hi"}]
+        req = build.chat(turns, Options({"temperature": 0})).request
+        im_end = e.tokenize("<|im_end|>", add_special=False)
+        assert req.next_turn[:1] == im_end and e.model.is_eog(req.next_turn[0])
+        assert "<|im_start|>" in e.model.detokenize(req.next_turn, special=True)
+        first = e.generate(req)
+        assert first.text == "Hello there." and first.finish_reason == "stop"
+        _ahead(e, len(req.next_turn))
+        turns += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "again"}]
+        req2 = build.chat(turns, Options({"temperature": 0})).request
+        opened = req.prompt + first.tokens + req.next_turn
+        assert req2.prompt[:len(opened)] == opened  # what was decoded ahead is what the next prompt says
+        second = e.generate(req2)
+        assert second.usage.cached_tokens == len(req.prompt) + len(first.tokens) + len(req.next_turn)
+        assert second.text == "Hello there."
+        # a template whose turns do not end in an end-of-generation token opens nothing ahead
+        assert RequestBuilder(builtin_format("plain", e.model), e).chat(turns, Options()).request.next_turn == []
+        assert RequestBuilder(ChatFormat("{{ messages[0].content }}", "gguf"), e).chat(
+            turns, Options()).request.next_turn == []
+
+
+def test_a_window_sized_swa_chat_opened_ahead_still_regenerates_from_its_checkpoint(tmp_path: Path) -> None:
+    path = make_tiny_gemma3_gguf(tmp_path / "swa.gguf")
+    kw = {"n_ctx": 2048, "threads": 2, "n_batch": 128, "n_ubatch": 32, "swa_full": False}
+    p = _prompt(5, 220)
+    with Engine(path, **kw, slots=1) as e:
+        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        _ahead(e, 1 + len(NEXT))
+        turn2 = p + first.tokens + NEXT + [300, 301]
+        second = e.generate(Request(turn2, GREEDY, max_tokens=8, ignore_eos=True))
+        assert second.usage.cached_tokens == len(turn2) - 2
+        again = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))  # the first reply regenerated
+        assert 0 < again.usage.cached_tokens < len(p)
+    _check(path, turn2, second.tokens, 8)
+    _check(path, p, again.tokens, 8)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["mamba", "jamba"])
+def test_a_recurrent_chat_opened_ahead_keeps_its_replys_end_for_another_next_turn(tmp_path: Path,
+                                                                                   hybrid: bool) -> None:
+    """A recurrent state cannot go back: the reply's end is checkpointed before its opening is decoded, so a next
+    turn that opens otherwise (a tool's result) still continues from the reply."""
+    path = make_tiny_mamba_gguf(tmp_path / "rec.gguf", hybrid=hybrid)
+    p = _prompt(6)
+    with Engine(path, n_ctx=1024, threads=2, slots=1) as e:
+        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        _ahead(e, 1 + len(NEXT))
+        other = p + first.tokens + [9, 300, 301]
+        got = e.generate(Request(other, GREEDY, max_tokens=8, ignore_eos=True))
+        # as without the opening decoded ahead: the state where the reply's last (sampled) token was due
+        assert got.usage.cached_tokens == len(p) + len(first.tokens) - 1
+    _check(path, other, got.tokens, 8)
