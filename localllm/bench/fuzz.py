@@ -268,7 +268,7 @@ class _Fuzzer(Traffic):
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
             for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
-                      "checkpoints", "checkpoint_restores", "kv_full", "steps"):
+                      "checkpoints", "checkpoint_restores", "ahead_tokens", "kv_full", "steps"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0

@@ -159,3 +159,29 @@ def test_a_recurrent_chat_opened_ahead_keeps_its_replys_end_for_another_next_tur
         # as without the opening decoded ahead: the state where the reply's last (sampled) token was due
         assert got.usage.cached_tokens == len(p) + len(first.tokens) - 1
     _check(path, other, got.tokens, 8)
+
+
+@pytest.mark.slow
+def test_gemma_chat_turn_prefills_only_the_users_message(gemma_file: Path) -> None:
+    """gemma-3-270m (a sliding-window model) with the gemma template: its end of turn is an end-of-generation token,
+    so the second turn reuses the first, its reply and the opening of the user's turn, and answers as a fresh
+    context does (within the reference's tolerance)."""
+    with Engine(gemma_file, n_ctx=2048, slots=2, threads=2) as e:
+        build = RequestBuilder(builtin_format("gemma", e.model), e)
+        opts = Options({"temperature": 0}, max_tokens=12)
+        turns = [{"role": "user", "content": "What is the capital of France?"}]
+        req = build.chat(turns, opts).request
+        assert e.model.detokenize(req.next_turn, special=True) == "<end_of_turn>\n<start_of_turn>user\n"
+        first = e.generate(req)  # a base model: it goes on with the text, and the template trims nothing of it
+        undecoded = 1 if first.finish_reason == "length" else 0
+        _ahead(e, undecoded + len(req.next_turn))
+        turns += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+        req2 = build.chat(turns, opts).request
+        second = e.generate(req2)
+        opened = req.prompt + first.tokens + req.next_turn
+        assert req2.prompt[:len(opened)] == opened
+        assert second.usage.cached_tokens == len(opened)
+    with Reference(gemma_file, n_ctx=2048, threads=2) as ref:
+        for prompt, got in ((req.prompt, first.tokens), (req2.prompt, second.tokens)):
+            verdict = compare(ref, prompt, got, n=12, follow=True)
+            assert verdict.ok, verdict
