@@ -19,6 +19,7 @@ from localllm.runtime.api import ModelView
 from localllm.runtime.cache.prefix import common_prefix
 
 FALLBACK_TEMPLATE = "plain"
+MAX_NEXT_TURN = 32  # tokens: longer, a next turn's opening holds more than markup (ChatFormat.next_turn)
 # GGUF metadata key stem -> the role names templates.fim_prompt expects
 _FIM_ROLES = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle", "fim_rep": "repo", "fim_sep": "sep"}
 
@@ -83,6 +84,7 @@ class ChatFormat:
                     toks = model.tokenize(text, add_special=False, parse_special=True)
                     joined = model.tokenize(text + "Hi", add_special=False, parse_special=True)
                     toks = toks[:common_prefix(toks, joined)] if toks and model.is_eog(toks[0]) else []
+                    toks = toks if len(toks) <= MAX_NEXT_TURN else []  # a turn's markup, not a block of text
             self._next_turn[key] = toks
         return list(self._next_turn[key])
 

@@ -423,15 +423,19 @@ def render_chat_parts(template: str, messages: Sequence[dict[str, Any]], **kwarg
 def next_turn_opening(template: str, **kwargs: Any) -> str:
     """What the template writes between an assistant reply and the next user message's content: its end of turn
     and the user turn's opening ("<|im_end|>\\n<|im_start|>user\\n"). Found as the system prefix is: two renders
-    whose last user message differs part where that content starts. "" where the reply is not written as it was
-    given (the sentinel is missing, or written twice)."""
-    renders = []
-    for sentinel in ("\x02", "\x04"):
-        messages = [{"role": "user", "content": "\x01"}, {"role": "assistant", "content": "\x03"},
-                    {"role": "user", "content": sentinel}]
-        renders.append(render_chat(template, messages, add_generation_prompt=True, **kwargs))
+    whose last user message differs part where that content starts. "" where the next prompt would not continue
+    the first one and its reply as they were: the reply not written as it was given (the sentinel missing, or
+    written twice), or the history rendered otherwise than the prompt was (a generation prompt the history lacks,
+    Qwen3's empty think block without reasoning; tools written before the last user message, Mistral's)."""
+    user, reply = {"role": "user", "content": "\x01"}, {"role": "assistant", "content": "\x03"}
+    renders = [render_chat(template, [user, reply, {"role": "user", "content": s}], add_generation_prompt=True,
+                           **kwargs) for s in ("\x02", "\x04")]
     head = _common_prefix(*renders)
-    return head.split("\x03")[1] if head.count("\x03") == 1 else ""
+    first = render_chat(template, [user], add_generation_prompt=True, **kwargs)
+    # a space between the two is the reply's (Mistral's "[/INST] reply": SentencePiece writes it in the first token)
+    if not head.startswith(first) or not head[len(first):].lstrip(" ").startswith("\x03") or head.count("\x03") != 1:
+        return ""
+    return head.split("\x03")[1]
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -12,6 +12,7 @@ from localllm.compose.templates import (
     BUILTIN_TEMPLATES,
     builtin_template,
     fim_prompt,
+    next_turn_opening,
     render_chat,
     render_chat_parts,
     truncate_history,
@@ -398,3 +399,23 @@ def test_earlier_reasoning_where_each_family_reads_it() -> None:
     assert adapt_messages(ministral, turn)[1]["content"] == [{"type": "thinking", "thinking": "2+2"},
                                                              {"type": "text", "text": "4."}]
     assert turn[1] == {"role": "assistant", "content": "4.", "reasoning_content": "2+2"}  # the caller's untouched
+
+
+def test_next_turn_opening_is_the_markup_between_a_reply_and_the_next_user_message() -> None:
+    def opening(name: str, **kw: object) -> str:
+        return next_turn_opening(builtin_template(name), bos_token="<s>", eos_token="</s>", **kw)
+
+    assert opening("gemma") == "<end_of_turn>\n<start_of_turn>user\n"
+    assert opening("chatml") == "<|im_end|>\n<|im_start|>user\n"
+    assert opening("mistral") == "</s>[INST] "  # "[/INST] reply": the space is the reply's first token's
+    # found in review: a template that writes the tools before the last user message (Mistral's) moves them on
+    # every turn, so no next prompt continues the last one: nothing is opened ahead (it was the tools' JSON)
+    tools_last = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}"
+                  "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]"
+                  "{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+    assert next_turn_opening(tools_last, bos_token="<s>", eos_token="</s>") == "</s>[INST] "
+    assert next_turn_opening(tools_last, bos_token="<s>", eos_token="</s>", tools=[{"name": "f"}]) == ""
+    # a generation prompt the history lacks (Qwen3 with thinking off writes an empty think block only there)
+    no_think = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}")
+    assert next_turn_opening(no_think) == ""

@@ -185,3 +185,24 @@ def test_gemma_chat_turn_prefills_only_the_users_message(gemma_file: Path) -> No
         for prompt, got in ((req.prompt, first.tokens), (req2.prompt, second.tokens)):
             verdict = compare(ref, prompt, got, n=12, follow=True)
             assert verdict.ok, verdict
+
+
+def test_a_recurrent_chat_opened_ahead_and_parked_still_regenerates_from_ram(tmp_path: Path) -> None:
+    """Found in review: the reply's-end checkpoint (taken before the opening is decoded) became the one checkpoint
+    parking sends to RAM, so a regenerate after another chat took the slot found nothing (0 cached, 196 before)."""
+    path = make_tiny_mamba_gguf(tmp_path / "rec.gguf")
+    p = _prompt(7, 200)
+    with Engine(path, n_ctx=1024, threads=2, slots=1) as e:
+        e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        _ahead(e, 1 + len(NEXT))
+        e.generate(Request(_prompt(8, 100), GREEDY, max_tokens=4, ignore_eos=True))  # parks the chat
+        again = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))  # its reply regenerated
+        assert again.usage.cached_tokens == len(p) - 4 and again.timings.cache_tier == "ram"
+    _check(path, p, again.tokens, 8)
+
+
+def test_a_next_turn_outside_the_vocabulary_is_refused(tiny: Path) -> None:
+    from localllm.errors import InvalidInput
+
+    with Engine(tiny, n_ctx=256, slots=1, threads=2) as e, pytest.raises(InvalidInput, match="next_turn"):
+        e.submit(Request([1, 20, 21], GREEDY, max_tokens=2, next_turn=[5, 10**6]))

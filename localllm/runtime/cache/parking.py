@@ -220,7 +220,8 @@ class Parking:
         n = len(slot.tokens)
         if self.window:  # only where the slot saved its SWA layers or state (Slot.checkpoints); the latest also in RAM
             swa = {c.n: c.blob for c in slot.checkpoints}
-            end = max(swa, default=-1)
+            # the latest within the last prompt (a regenerate's), not a recurrent state's at the reply's end
+            end = max((c for c in swa if c <= slot.prompt_len), default=-1)
         else:
             end = min(slot.prompt_len, n)
             swa = dict.fromkeys({end, end - 32, end - 128, end - 512} if self.disk is not None else {end})

@@ -218,6 +218,8 @@ class Engine(ThreadSubmit):
         if max(prompt) >= self.model.n_vocab or (min(prompt) < 0 and not request.media):
             bad = next(t for t in prompt if not (0 <= t < self.model.n_vocab or (request.media and t < 0)))
             raise InvalidInput(f"token id {bad} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        if request.next_turn and not 0 <= min(request.next_turn) <= max(request.next_turn) < self.model.n_vocab:
+            raise InvalidInput(f"next_turn has a token id outside the vocabulary (0..{self.model.n_vocab - 1})")
         spans: list[prompt_media.Span] = []
         if request.media:
             if self.projector is None:
@@ -712,15 +714,16 @@ class Engine(ThreadSubmit):
             self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), computed)  # the checkpoints' copies left out
 
     def _decode_ahead(self) -> None:
-        """With no request to serve, decode what chats' next prompts will put after their replies (Request.next_turn:
+        """With no request to serve, decode what a chat's next prompt will put after its reply (Request.next_turn:
         the template's end of turn and the next user turn's opening), so that a next turn prefills only its own
-        message. Nothing is sampled: no logits. Where the cache has no room, the histories stay as they were."""
+        message. Nothing is sampled: no logits. Where the cache has no room, the history stays as it was. One slot a
+        call, the latest reply first: a request that comes meanwhile waits for one short decode at most."""
         batch = self._batch
         batch.clear()
         took: list[tuple[Slot, list[int]]] = []
-        for s in self.slots:
+        for s in sorted((s for s in self.slots if s.ahead), key=lambda s: -s.last_used)[:1]:
             toks, s.ahead = s.ahead, []
-            if s.job is not None or not toks or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.free:
+            if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.free:
                 continue
             if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
                 self._take_checkpoint(s, len(s.tokens))
