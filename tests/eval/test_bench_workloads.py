@@ -61,6 +61,16 @@ def test_revisits_and_other_prompts() -> None:
     assert a[:common] == b[:common] and a != b
 
 
+def test_chat_revisits_send_each_chat_as_it_grew() -> None:
+    first = wl.revisit_messages(TEXTS, "n.0.chat", 0, 2)
+    second = wl.revisit_messages(TEXTS, "n.0.chat", 0, 2, "a reply")
+    assert [m["role"] for m in first] == ["system", "user"] and second[:2] == first
+    assert second[2:] == [{"role": "assistant", "content": "a reply"},
+                          {"role": "user", "content": "Which function would you test first, and why?"}]
+    # the same text as the /completion revisits, rendered by the servers instead
+    assert wl.render([wl.Msg(m["role"], m["content"]) for m in first]) == wl.revisit_prompt(TEXTS, "n.0.chat", 0, 2)
+
+
 def test_marks() -> None:
     assert wl.mark(1.02, 1.03, True) == "≤ 1.03× ✓"
     assert wl.mark(1.04, 1.03, True) == "≤ 1.03× ✗"
@@ -87,9 +97,10 @@ def test_tally_ratios_and_agreement() -> None:
 def fixed_report(tuned: bool) -> wl.Report:
     sides = [*wl.SIDES, *([wl.TUNED] if tuned else [])]
     mine = {"agent_wall_s": 20.0, "agent_ttft_p50_ms": 400.0, "revisit_ttft_p50_ms": 100.0, "code_decode_tps": 80.0,
-            "trim_cold_ttft_ms": 1200.0, "trim_regen_ttft_ms": 30.0, "trim_regen_pct": 2.5}
+            "trim_cold_ttft_ms": 1200.0, "trim_regen_ttft_ms": 30.0, "trim_regen_pct": 2.5,
+            "chat_revisit_ttft_p50_ms": 90.0, "chat_revisit_prompt_tokens": 918.0}
     theirs = {k: 2 * v for k, v in mine.items()} | {"agent_wall_s": 19.0, "code_decode_tps": 40.0,
-                                                       "revisit_ttft_p50_ms": 300.0}
+                                                       "revisit_ttft_p50_ms": 300.0, "chat_revisit_prompt_tokens": 918.0}
     values = {s: (mine if s == "localllm" else theirs) for s in sides}
     ratios = {s: {k: mine[k] / theirs[k] for k in mine} for s in sides[1:]}
     return wl.Report("gemma3:270m", "/x/llama-server", wl.Settings(2, 16384, 4, 2, False, tuned), sides, values,
@@ -106,6 +117,8 @@ def test_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "agent loop: total wall, 8 turns (s)" in out and "20.0" in out and "19.0" in out
     assert "≤ 1.03× ✗" in out and "≤ 0.4× ✓" in out and "≥ 1.5× ✓" in out and "localllm ≤ 5 % ✓" in out
     assert "revisits: greedy replies of localllm 5/8 equal to llama-server" in out
+    assert "revisits, chat: greedy replies of localllm 5/8 equal to llama-server" in out
+    assert "chat_revisit_ttft_p50_ms 0.50 0.50; chat_revisit_prompt_tokens 1.00 1.00" in out
     assert "a new question (3520 tokens): cold TTFT 7000 ms, reopened 140 ms = 2.0 % of cold (target ≤ 10 % ✓; " \
            "3500 tokens from the cache)" in out
     assert "ratios localllm / llama-server by round: agent_wall_s 1.05 1.05;" in out
@@ -130,6 +143,7 @@ def test_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     refuse("--workloads")
     refuse("--workloads", "--http")
     refuse("--http", "--vs-llama-server", "/x", "--tuned")
+    refuse("--http", "--vs-llama-server", "/x", "--chat-template", "gemma")
     seen: dict[str, object] = {}
 
     def fake_run(model: str, binary: Path, **kw: object) -> wl.Report:
@@ -139,10 +153,10 @@ def test_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli_bench, "resolve_model", lambda m: (Path("/store/model.gguf"), None))
     monkeypatch.setattr(wl, "run", fake_run)
     res = CliRunner().invoke(cli, ["bench", "m:1", "--http", "--vs-llama-server", "/x/ls", "--workloads", "--tuned",
-                                   "--rounds", "1", "--gpu-layers", "-1", "--json"])
+                                   "--rounds", "1", "--gpu-layers", "-1", "--chat-template", "gemma", "--json"])
     assert res.exit_code == 0, res.output
     assert seen == {"model": "m:1", "binary": Path("/x/ls"), "threads": 2, "ctx": 16384, "slots": 4, "rounds": 1,
-                    "repack": False, "tuned": True, "gpu_layers": -1, "log": seen["log"]}
+                    "repack": False, "tuned": True, "gpu_layers": -1, "chat_template": "gemma", "log": seen["log"]}
     got = json.loads(res.stdout)
     assert got["settings"]["tuned"] is True and got["values"]["localllm"]["code_decode_tps"] == 80.0
 
