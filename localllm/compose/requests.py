@@ -108,10 +108,7 @@ class _Rendering:
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = True) -> tuple[str, ReplyFormat, str]:
         """(the prompt text, how its reply is written, the system prefix). Without the generation prompt
         (/apply-template's add_generation_prompt false) the messages are rendered as they are."""
-        extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
-        if self.think is not None:
-            extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
-        parts = self.fmt.render(messages, generation_prompt=generation_prompt, **extra)
+        parts = self.fmt.render(messages, generation_prompt=generation_prompt, **self._extra())
         if not generation_prompt:
             return parts.text, ReplyFormat(), ""
         text, fmt = reply_plan(parts.text, self.fmt.template, think=self.think, budget=self.budget,
@@ -120,10 +117,14 @@ class _Rendering:
 
     def next_turn(self, model: ModelView) -> list[int]:
         """Request.next_turn for this rendering (ChatFormat.next_turn)."""
+        return self.fmt.next_turn(model, **self._extra())
+
+    def _extra(self) -> dict[str, Any]:
+        """What the template reads beside the messages: the tools, reasoning on or off."""
         extra: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         if self.think is not None:
-            extra["enable_thinking"] = self.think
-        return self.fmt.next_turn(model, **extra)
+            extra["enable_thinking"] = self.think  # Qwen3's templates (and others) read it
+        return extra
 
 
 class RequestBuilder:

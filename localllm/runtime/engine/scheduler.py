@@ -718,30 +718,26 @@ class Engine(ThreadSubmit):
         the template's end of turn and the next user turn's opening), so that a next turn prefills only its own
         message. Nothing is sampled: no logits. Where the cache has no room, the history stays as it was. One slot a
         call, the latest reply first: a request that comes meanwhile waits for one short decode at most."""
-        batch = self._batch
-        batch.clear()
-        took: list[tuple[Slot, list[int]]] = []
-        for s in sorted((s for s in self.slots if s.ahead), key=lambda s: -s.last_used)[:1]:
-            toks, s.ahead = s.ahead, []
-            if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.free:
-                continue
-            if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
-                self._take_checkpoint(s, len(s.tokens))
-            for i, tok in enumerate(toks):
-                batch.add(tok, len(s.tokens) + i, s.id, False)
-            took.append((s, toks))
-        if not took:
+        s = max((s for s in self.slots if s.ahead), key=lambda s: s.last_used, default=None)
+        if s is None:
             return
+        toks, s.ahead = s.ahead, []
+        batch = self._batch
+        if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.capacity:
+            return
+        if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
+            self._take_checkpoint(s, len(s.tokens))
+        batch.clear()
+        for i, tok in enumerate(toks):
+            batch.add(tok, len(s.tokens) + i, s.id, False)
         try:
             self.ctx.decode(batch)
         except Exception:  # noqa: BLE001 - an optimisation: no room (NoKVSlot) or a failed decode costs only the gain
-            for s, _ in took:
-                self.ctx.seq_rm(s.id, len(s.tokens), -1)
+            self.ctx.seq_rm(s.id, len(s.tokens), -1)
             return
-        for s, toks in took:
-            s.extend(toks)
-        self._counters["ahead_tokens"] += sum(len(t) for _, t in took)
-        self._kv_pos = [self.ctx.seq_pos_max(s.id) for s in self.slots]
+        s.extend(toks)
+        self._counters["ahead_tokens"] += len(toks)
+        self._kv_pos = [self.ctx.seq_pos_max(t.id) for t in self.slots]
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
