@@ -24,6 +24,7 @@ import numpy as np
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
 from localllm.runtime.native import cpu_guard
 from localllm.runtime.native import rpc as rpc_workers
+from localllm.runtime.native.pieces import PIECES_FROM, TOKENIZERS, PieceCache, read_specials
 from localllm.runtime.types import MEDIA_MARKER
 
 # Placeholders for image/audio/video input in multimodal vocabularies (Gemma 3, Qwen2-VL, Llava, …). This
@@ -194,6 +195,9 @@ class Model:
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._eog: dict[int, bool] = {}
         self._eog_all: list[int] | None = None  # eog_tokens(), once scanned
+        self._prompt_pieces: PieceCache | None = None  # None: prompts are tokenized whole
+        self._pieces_read = False  # whether the vocabulary's special tokens were read for _prompt_pieces
+        self._prompt_pieces_lock = threading.Lock()
         self.media_tokens: list[int] = self._media_tokens()  # never sampled (see MEDIA_PLACEHOLDERS)
 
     def _media_tokens(self) -> list[int]:
@@ -215,6 +219,17 @@ class Model:
         only log a warning. A model whose add_bos is false gets none added.
         parse_special: special-token text ("<bos>", "<start_of_turn>") becomes the token, never text.
         """
+        pieces = self._piece_cache() if parse_special and len(text) >= PIECES_FROM else None
+        if pieces is not None:
+            tokens = pieces.tokenize(text, add_special)
+        else:
+            tokens = self._tokenize(text, add_special, parse_special)
+        if add_special and self.add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == self.bos:
+            del tokens[0]  # the text brought its own BOS
+        return tokens
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """llama_tokenize, as it is."""
         data = utf8(text)
         n_max = len(data) + 8
         buf = (lc.llama_token * n_max)()
@@ -225,10 +240,21 @@ class Model:
             n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
         if n < 0:
             raise EngineError(f"tokenization failed ({n})")
-        tokens = list(buf[:n])
-        if add_special and self.add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == self.bos:
-            del tokens[0]  # the text brought its own BOS
-        return tokens
+        return list(buf[:n])
+
+    def _piece_cache(self) -> PieceCache | None:
+        """Long prompts are tokenized by pieces between special tokens (runtime/native/pieces.py) where the
+        vocabulary allows it; its special tokens are read on first use (~0.1 s for 262k tokens)."""
+        if not self._pieces_read:
+            with self._prompt_pieces_lock:
+                if not self._pieces_read:
+                    ok = self.meta("tokenizer.ggml.model") in TOKENIZERS and not self.add_eos
+                    specials = read_specials(self.n_vocab, functools.partial(lc.llama_vocab_get_attr, self.vocab),
+                                             self.token_text) if ok else None
+                    if specials is not None and specials.marks:
+                        self._prompt_pieces = PieceCache(specials, lambda t, add: self._tokenize(t, add, True))
+                    self._pieces_read = True
+        return self._prompt_pieces
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """Raw bytes of one token (may be part of a UTF-8 sequence); cached per token. An id outside the
