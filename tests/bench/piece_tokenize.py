@@ -56,7 +56,7 @@ def whole(vocab: int, text: str, add_special: bool) -> list[int]:
 
 def chat(marks: list[str], turns: int, filler: str) -> list[str]:
     """The prompts of a chat that grows by a reply and a message per turn, in ChatML where the vocabulary has
-    its markers, else between two of its special tokens."""
+    its markers, else between two of its control tokens (two of its special tokens where it has none)."""
     start, end = ("<|im_start|>", "<|im_end|>") if "<|im_start|>" in marks else (marks[0], marks[-1])
     msgs = [("system", "You answer questions about this text.\n" + filler)]
     out = []
@@ -90,7 +90,7 @@ def check(path: Path, n_texts: int) -> None:
         bad += every.tokenize(text, add) != whole(vocab, text, add)
     filler = " ".join(rng.choice(["code", "data", "the", "function", "returns", "value", "éte", "x = 1;"])
                       for _ in range(2000))
-    prompts = chat(marks, 8, filler)
+    prompts = chat(sorted(specials.controls, key=lambda t: specials.marks[t])[:40] or marks, 8, filler)
     for p in prompts[:-1]:
         cache.tokenize(p, True)
     last = prompts[-1]

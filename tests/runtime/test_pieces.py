@@ -132,6 +132,10 @@ def test_cuts_only_past_a_chunk_and_never_where_a_special_token_could_run_across
     assert calls == ["hellox<a>world"]
     assert cache.tokenize("hellox<a>world", True) == [*map(ord, "hellox<a>world")]
     assert cache.counts == {"hits": 1, "tokenized": 4}
+    turns = PieceCache(Specials({"<a>": 1000, "<t>": 1001}, frozenset(), frozenset({"<t>"})), tok, chunk=100)
+    calls.clear()
+    assert turns.tokenize("u<a>v<t>w", False) == [*map(ord, "u<a>v"), 1001, ord("w")]  # a control token: always cut
+    assert calls == ["u<a>v", "w"]
 
 
 def test_cache_keeps_to_its_budget() -> None:
@@ -148,6 +152,7 @@ def test_read_specials_keeps_special_tokens_that_strip_nothing_and_hold_their_te
     got = read_specials(7, attrs.__getitem__, text.__getitem__)
     # <b> strips the whitespace after it, <c> is held by two tokens, "plain" is a normal token
     assert got is not None and got.marks == {"<a>": 0, "\n\n": 2, "<d>": 6}
+    assert got.controls == {"<a>", "<d>"}
     assert "\n\n" in got.pairs and "la" not in got.pairs
     assert read_specials(1, lambda t: pieces.USER_DEFINED, lambda t: b"\xff<") is None
 

@@ -34,22 +34,24 @@ CHUNK = 1024  # characters: a piece ends at the first special token past this ma
 @dataclass(frozen=True)
 class Specials:
     """What cutting needs from a vocabulary: its special tokens (CONTROL, USER_DEFINED or UNKNOWN: those llama.cpp
-    cuts at) that strip no whitespace, text → id where one token holds the text; and every two adjacent characters
-    inside any special token's text."""
+    cuts at) that strip no whitespace, text → id where one token holds the text (`marks`); every two adjacent
+    characters inside any special token's text; which marks are CONTROL tokens."""
 
     marks: dict[str, int]
     pairs: frozenset[str]
+    controls: frozenset[str] = frozenset()  # the marks of CONTROL tokens: a chat template's turn markers
 
 
 class PieceCache:
     """`tokenize(text, add_special)` as llama.cpp's with parse_special, from pieces; `whole(text, add_special)` is
     llama.cpp's own tokenization (parse_special on) of a piece or a text.
 
-    A piece runs from one cut to the next, and a cut is made at the first special token past `chunk` characters
-    into the piece: the special tokens inside a piece are llama.cpp's to find, and a few long pieces cost fewer
-    calls than one per line (each call walks the vocabulary's special tokens: gemma has 6 400). Where a piece ends
-    depends only on the text before it, so a prompt that extends an earlier one finds that one's pieces, all but its
-    last."""
+    A piece runs from one cut to the next. A cut is made at every control token (a template's turn markers: the
+    piece a chat's next prompt tokenizes again is then the earlier one's last, its model turn's header) and at the
+    first other special token past `chunk` characters into the piece (gemma's newline runs: a long text without
+    turns is cut in a few long pieces, not one per line, as each call walks the vocabulary's special tokens, 6 400
+    in gemma's). The special tokens inside a piece are llama.cpp's to find. Where a piece ends depends only on the
+    text before it, so a prompt that extends an earlier one finds that one's pieces, all but its last."""
 
     def __init__(self, specials: Specials, whole: Callable[[str, bool], list[int]],
                  budget: int = PIECE_BUDGET, chunk: int = CHUNK) -> None:
@@ -72,15 +74,16 @@ class PieceCache:
         return out
 
     def _cuts(self, text: str) -> list[tuple[int, int, int]]:
-        """(start, end, token id) of the special tokens `text` is cut at, in order: the first past `chunk`
-        characters after the last cut where no special token may run across either side of it."""
+        """(start, end, token id) of the special tokens `text` is cut at, in order: control tokens, and others
+        past `chunk` characters after the last cut; each only where no special token may run across either side."""
         cuts: list[tuple[int, int, int]] = []
         if self._find is None:
             return cuts
-        at, pairs = 0, self.specials.pairs
+        at, pairs, controls = 0, self.specials.pairs, self.specials.controls
         for m in self._find.finditer(text):
             start, end = m.span()
-            if start - at >= self.chunk and text[start - 1:start + 1] not in pairs and text[end - 1:end + 1] not in pairs:
+            if ((start - at >= self.chunk or m.group() in controls) and text[start - 1:start + 1] not in pairs
+                    and text[end - 1:end + 1] not in pairs):
                 cuts.append((start, end, self.specials.marks[m.group()]))
                 at = end
         return cuts
@@ -136,6 +139,7 @@ def read_specials(n_vocab: int, attr: Callable[[int], int], text: Callable[[int]
     marks: dict[str, int] = {}
     seen: set[str] = set()
     pairs: set[str] = set()
+    controls: set[str] = set()
     for t in range(n_vocab):
         a = attr(t)
         if not a & (CONTROL | USER_DEFINED | UNKNOWN):
@@ -149,5 +153,7 @@ def read_specials(n_vocab: int, attr: Callable[[int], int], text: Callable[[int]
             marks.pop(s, None)
         elif s and not a & (LSTRIP | RSTRIP):
             marks[s] = t
+            if a & CONTROL:
+                controls.add(s)
         seen.add(s)
-    return Specials(marks, frozenset(pairs))
+    return Specials(marks, frozenset(pairs), frozenset(controls & marks.keys()))
