@@ -29,6 +29,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from localllm.errors import InvalidInput
+from localllm.runtime.cache.prefix import common_prefix
 
 MAX_OUTPUT = 4 * 1024 * 1024  # characters; a real chat prompt is far below (and must fit a context)
 RENDER_SECONDS = 1.0  # real templates render in milliseconds
@@ -416,8 +417,8 @@ def render_chat_parts(template: str, messages: Sequence[dict[str, Any]], **kwarg
         probe = [dict(m) for m in messages]
         probe[first]["content"] = sentinel
         renders.append(render_chat(template, probe, **kwargs))
-    prefix = _common_prefix(*renders)
-    return ChatParts(text, _common_prefix(prefix, text))
+    prefix = renders[0][:common_prefix(*renders)]
+    return ChatParts(text, prefix[:common_prefix(prefix, text)])
 
 
 def next_turn_opening(template: str, **kwargs: Any) -> str:
@@ -430,21 +431,12 @@ def next_turn_opening(template: str, **kwargs: Any) -> str:
     user, reply = {"role": "user", "content": "\x01"}, {"role": "assistant", "content": "\x03"}
     renders = [render_chat(template, [user, reply, {"role": "user", "content": s}], add_generation_prompt=True,
                            **kwargs) for s in ("\x02", "\x04")]
-    head = _common_prefix(*renders)
+    head = renders[0][:common_prefix(*renders)]
     first = render_chat(template, [user], add_generation_prompt=True, **kwargs)
     # a space between the two is the reply's (Mistral's "[/INST] reply": SentencePiece writes it in the first token)
     if not head.startswith(first) or not head[len(first):].lstrip(" ").startswith("\x03") or head.count("\x03") != 1:
         return ""
     return head.split("\x03")[1]
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
 
 
 def truncate_history(messages: Sequence[dict[str, Any]],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
@@ -116,30 +117,59 @@ def test_a_chats_next_prompt_tokenizes_only_its_new_pieces(gemma: Model) -> None
     assert cache.counts["tokenized"] == again["tokenized"]
 
 
-def test_cuts_only_past_a_chunk_and_never_where_a_special_token_could_run_across() -> None:
-    calls: list[str] = []
+def fake_tokenizer(specials: dict[str, int], calls: list[str]) -> Callable[[str, bool], list[int]]:
+    """A character per token, special tokens' texts as their ids (for the cutting logic alone; the real vocabularies
+    are tested above)."""
+    find = re.compile(trie_pattern(specials))
 
     def tok(text: str, add_special: bool) -> list[int]:
         calls.append(text)
-        return [ord(c) for c in text]
+        out: list[int] = []
+        at = 0
+        for m in find.finditer(text):
+            out += [*map(ord, text[at:m.start()]), specials[m.group()]]
+            at = m.end()
+        return out + [*map(ord, text[at:])]
 
-    cache = PieceCache(Specials({"<a>": 1000}, frozenset({"x<", "a>", "<a"})), tok, chunk=4)
-    assert cache.tokenize("hello<a>world<a>ab<a>", False) == [*map(ord, "hello"), 1000, *map(ord, "world"), 1000,
-                                                            *map(ord, "ab<a>")]
-    assert calls == ["hello", "world", "ab<a>"]  # "ab" is shorter than a chunk: its <a> is llama.cpp's to find
+    return tok
+
+
+def test_cuts_only_past_a_chunk_and_never_where_a_special_token_could_run_across() -> None:
+    calls: list[str] = []
+    marks = {"<a>": 1000, "<t>": 1001}
+    cache = PieceCache(Specials(marks, frozenset({"x<", "a>", "<a", "<t", "t>"}), frozenset({"<t>"})),
+                       fake_tokenizer(marks, calls), chunk=4)
+    want = [*map(ord, "hello"), 1000, *map(ord, "world"), 1000, *map(ord, "ab"), 1000]
+    assert cache.tokenize("hello<a>world<a>ab<a>", False) == want
+    # "ab" is shorter than a chunk: its <a> is llama.cpp's to find; the three new pieces in one call, joined by <t>
+    assert calls == ["hello<t>world<t>ab<a>"]
     calls.clear()
-    assert cache.tokenize("hellox<a>world", False) == [*map(ord, "hellox<a>world")]  # "x<" may be a special's
-    assert calls == ["hellox<a>world"]
-    assert cache.tokenize("hellox<a>world", True) == [*map(ord, "hellox<a>world")]
+    assert cache.tokenize("hellox<a>world", False) == [*map(ord, "hellox"), 1000, *map(ord, "world")]
+    assert calls == ["hellox<a>world"]  # "x<" may be a special token's: no cut there
+    assert cache.tokenize("hellox<a>world", True) == [*map(ord, "hellox"), 1000, *map(ord, "world")]
     assert cache.counts == {"hits": 1, "tokenized": 4}
-    turns = PieceCache(Specials({"<a>": 1000, "<t>": 1001}, frozenset(), frozenset({"<t>"})), tok, chunk=100)
     calls.clear()
-    assert turns.tokenize("u<a>v<t>w", False) == [*map(ord, "u<a>v"), 1001, ord("w")]  # a control token: always cut
-    assert calls == ["u<a>v", "w"]
+    assert cache.tokenize("u<a>v<t>w", False) == [ord("u"), 1000, ord("v"), 1001, ord("w")]
+    assert calls == ["u<a>v<t>w"]  # a control token is always cut at; joined back by <t> for the call
+    calls.clear()
+    assert cache.tokenize("u<a>v<t>w<t>s<t>", False) == [ord("u"), 1000, ord("v"), 1001, ord("w"), 1001, ord("s"),
+                                                        1001]
+    assert calls == ["s"]
+    calls.clear()
+    assert cache.tokenize("q<t>x<t>a<t>", False) == [ord("q"), 1001, ord("x"), 1001, ord("a"), 1001]
+    assert calls == ["q", "x<t>a"]  # no cut where "x<" may be a special token's; "<t>" inside: no joining
+    marks = {"<a>": 1000, "[tt]": 1002}
+    joined = PieceCache(Specials(marks, frozenset({"x["}), frozenset(marks)), fake_tokenizer(marks, calls), chunk=100)
+    calls.clear()
+    assert joined.tokenize("q<a>w<a>", False) == [ord("q"), 1000, ord("w"), 1000]
+    assert calls == ["q[tt]w"]  # joined by the longest control token
+    calls.clear()
+    assert joined.tokenize("qx<a>v<a>", False) == [ord("q"), ord("x"), 1000, ord("v"), 1000]
+    assert calls == ["qx", "v"]  # "x[" at the joint may be a special token's: a call a piece
 
 
 def test_cache_keeps_to_its_budget() -> None:
-    cache = PieceCache(Specials({"<a>": 1000}, frozenset()), lambda t, add: [ord(c) for c in t], budget=50, chunk=1)
+    cache = PieceCache(Specials({"<a>": 1000}, frozenset()), fake_tokenizer({"<a>": 1000}, []), budget=50, chunk=1)
     for i in range(20):
         cache.tokenize(f"<a>{i:02d}" + "y" * 20 + "<a>", False)
     assert cache._held <= 50 and len(cache._pieces) == 2

@@ -18,6 +18,7 @@ vocabularies). tests/runtime/test_pieces.py checks the pieces against whole toke
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from array import array
@@ -57,20 +58,33 @@ class PieceCache:
                  budget: int = PIECE_BUDGET, chunk: int = CHUNK) -> None:
         self.specials, self._whole, self.budget, self.chunk = specials, whole, budget, chunk
         self._find = re.compile(trie_pattern(specials.marks)) if specials.marks else None
+        # what the pieces tokenized at once are joined by: the longest control token, the least likely in a text
+        joiner = max(sorted(specials.controls), key=len, default=None)
+        self._sep = (joiner, specials.marks[joiner]) if joiner else None
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
         self._held = 0  # tokens in _pieces
+        self._bos: list[int] | None = None  # what the vocabulary adds before a text (add_special)
         self._lock = threading.Lock()
         self.counts = {"hits": 0, "tokenized": 0}  # pieces found, pieces tokenized
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
-        # BOS first where the vocabulary adds one (llama.cpp adds it to an empty text too), then each piece
-        out = self._whole("", True) if add_special else []
+        pieces: list[str] = []
+        marks: list[int] = []
         at = 0
         for start, end, token in self._cuts(text):
-            out += self._piece(text[at:start])
-            out.append(token)
+            pieces.append(text[at:start])
+            marks.append(token)
             at = end
-        out += self._piece(text[at:])
+        pieces.append(text[at:])
+        found = self._found(pieces)
+        # BOS first where the vocabulary adds one (llama.cpp adds it to an empty text too), then each piece
+        if add_special and self._bos is None:
+            self._bos = self._whole("", True)
+        out = list(self._bos or []) if add_special else []
+        for i, piece in enumerate(pieces):
+            out += found[piece]
+            if i < len(marks):
+                out.append(marks[i])
         return out
 
     def _cuts(self, text: str) -> list[tuple[int, int, int]]:
@@ -88,24 +102,48 @@ class PieceCache:
                 at = end
         return cuts
 
-    def _piece(self, piece: str) -> list[int]:
-        if not piece:
-            return []
+    def _found(self, pieces: list[str]) -> dict[str, list[int]]:
+        """Every piece's tokens: kept ones as they are, the others tokenized and kept."""
+        found: dict[str, list[int]] = {"": []}
         with self._lock:
-            got = self._pieces.get(piece)
-            if got is not None:
-                self._pieces.move_to_end(piece)
-                self.counts["hits"] += 1
-                return got.tolist()
-        tokens = self._whole(piece, False)
+            for piece in pieces:
+                got = self._pieces.get(piece) if piece not in found else None
+                if got is not None:
+                    self._pieces.move_to_end(piece)
+                    self.counts["hits"] += 1
+                    found[piece] = got.tolist()
+        missing = list(dict.fromkeys(p for p in pieces if p not in found))
+        new = self._tokenized(missing)
         with self._lock:
-            self.counts["tokenized"] += 1
-            if piece not in self._pieces and len(tokens) <= self.budget:
-                self._pieces[piece] = array("i", tokens)
-                self._held += len(tokens)
-                while self._held > self.budget:
-                    self._held -= len(self._pieces.popitem(last=False)[1])
-        return tokens
+            self.counts["tokenized"] += len(missing)
+            for piece, tokens in new.items():
+                if piece not in self._pieces and len(tokens) <= self.budget:
+                    self._pieces[piece] = array("i", tokens)
+                    self._held += len(tokens)
+            while self._held > self.budget:
+                self._held -= len(self._pieces.popitem(last=False)[1])
+        return found | new
+
+    def _tokenized(self, pieces: list[str]) -> dict[str, list[int]]:
+        """`pieces` tokenized in one call where they can be: joined by a control token (llama.cpp cuts there as
+        between turns) and the tokens split at it. Each call walks the vocabulary's special tokens, and after a user's
+        pause that costs ~3 ms on gemma-3-270m whatever the text's length (its 6 400 special tokens' texts are
+        no longer in any cache)."""
+        sep, pairs = self._sep, self.specials.pairs
+        if len(pieces) > 1 and sep is not None:
+            text, token = sep
+            joints_ok = all(text not in p for p in pieces) and all(
+                a[-1] + text[0] not in pairs and text[-1] + b[0] not in pairs for a, b in itertools.pairwise(pieces))
+            if joints_ok:
+                parts: list[list[int]] = [[]]
+                for t in self._whole(text.join(pieces), False):
+                    if t == token:
+                        parts.append([])
+                    else:
+                        parts[-1].append(t)
+                if len(parts) == len(pieces):
+                    return dict(zip(pieces, parts, strict=True))
+        return {p: self._whole(p, False) for p in pieces}
 
 
 def trie_pattern(words: Iterable[str]) -> str:
