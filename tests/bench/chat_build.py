@@ -11,7 +11,6 @@ first turns and for the revisits. Compare two versions of the code by running it
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -19,8 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from next_turn import WORDS
-from template_parity import starter_model
+from next_turn import WORDS, chat_args
 
 from localllm.compose.formats import builtin_format
 from localllm.compose.requests import Options, RequestBuilder
@@ -28,12 +26,7 @@ from localllm.runtime.engine.scheduler import Engine
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a GGUF (default: the starter gemma-3-270m)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gap", type=float, default=0.5, help="seconds before each request")
-    a = ap.parse_args()
-    model = Path(a.model) if a.model else starter_model()
+    model, rounds, gap = chat_args(__doc__)
     firsts: list[float] = []
     agains: list[float] = []
     with Engine(model, n_ctx=16384, slots=4, threads=2) as e:
@@ -41,13 +34,13 @@ def main() -> None:
         opts = Options({"temperature": 0}, max_tokens=16)
 
         def ask(msgs: list[dict[str, str]], sink: list[float]) -> str:
-            time.sleep(a.gap)
+            time.sleep(gap)
             t0 = time.perf_counter()
             req = build.chat(msgs, opts).request
             sink.append((time.perf_counter() - t0) * 1000)
             return e.generate(req).text
 
-        for r in range(a.rounds):
+        for r in range(rounds):
             rng = random.Random(f"{time.time()}-{r}")
             chats = [[{"role": "system", "content": f"Session {r}, chat {i}: you answer questions about this text.\n"
                        + " ".join(rng.choice(WORDS) for _ in range(700))},

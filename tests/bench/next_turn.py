@@ -58,21 +58,26 @@ def side(model: Path, tag: str, ahead: bool, gap: float) -> tuple[float, float, 
             replies + [x[0] for x in again])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def chat_args(doc: str | None) -> tuple[Path, int, float]:
+    """--model (default: the starter gemma-3-270m), --rounds, --gap: the revisited chats' benches' arguments."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a GGUF (default: the starter gemma-3-270m)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gap", type=float, default=0.5, help="seconds before each request")
     a = ap.parse_args()
-    model = Path(a.model) if a.model else starter_model()
+    return (Path(a.model) if a.model else starter_model()), a.rounds, a.gap
+
+
+def main() -> None:
+    model, rounds, gap = chat_args(__doc__)
     nonce = f"{time.time():.0f}"
     print(f"{'round':>5} {'ahead ms':>9} {'off ms':>7} {'ratio':>6} {'prefilled ahead/off':>20} {'replies equal':>14}")
     ratios = []
-    for r in range(a.rounds):
+    for r in range(rounds):
         tag = f"{nonce}-{r}"
         got = {}
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            got[on] = side(model, tag, on, a.gap)
+            got[on] = side(model, tag, on, gap)
         (t_on, n_on, x_on), (t_off, n_off, x_off) = got[True], got[False]
         ratios.append(t_on / t_off)
         same = sum(p == q for p, q in zip(x_on, x_off, strict=True))

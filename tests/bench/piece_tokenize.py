@@ -1,6 +1,6 @@
 """Prompts tokenized piece by piece (runtime/native/pieces.py) against whole, on real vocabularies: a check and a
 timing. Each GGUF is loaded vocabulary only (llama.cpp's ggml-vocab-*.gguf files in the pinned llama-cpp-python
-sdist: Llama 3, Qwen2 and 3.5, Gemma 4, Phi-3, Command-R, DeepSeek, ...; or any model file).
+sdist: Llama 3, Qwen2 and 3.5, Phi-3, Command-R, DeepSeek, ...; or any model file).
 
     python tests/bench/piece_tokenize.py VOCAB.gguf [...] [--texts 2000]
 
@@ -76,9 +76,10 @@ def check(path: Path, n_texts: int) -> None:
     add_eos = bool(lc.llama_vocab_get_add_eos(vocab))
     if kind not in TOKENIZERS or add_eos or specials is None or not specials.marks:
         print(f"| {path.name} | {kind} | not cut (tokenizer, add_eos {add_eos} or no special token to cut at) |")
+        lc.llama_model_free(model)
         return
     cache = PieceCache(specials, functools.partial(whole, vocab))
-    every = PieceCache(specials, functools.partial(whole, vocab), chunk=1)  # a piece per special token
+    every = PieceCache(specials, functools.partial(whole, vocab), chunk=0)  # a piece per special token
     marks = sorted(specials.marks, key=lambda t: specials.marks[t])[:40]
     rng = random.Random(1)
     parts = marks * 2 + [c[: len(c) // 2] for c in marks] + WORDS

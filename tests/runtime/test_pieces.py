@@ -62,7 +62,7 @@ def agrees(m: Model, parts: list[str], seed: int) -> int:
     rng = random.Random(seed)
     cache = m._piece_cache()
     assert cache is not None
-    every = PieceCache(cache.specials, lambda t, add: m._tokenize(t, add, True), chunk=1)
+    every = PieceCache(cache.specials, lambda t, add: m._tokenize(t, add, True), chunk=0)
     cut = 0
     for text in texts(rng, parts, 300):
         cut += bool(every._cuts(text))
@@ -169,22 +169,45 @@ def test_cuts_only_past_a_chunk_and_never_where_a_special_token_could_run_across
 
 
 def test_cache_keeps_to_its_budget() -> None:
-    cache = PieceCache(Specials({"<a>": 1000}, frozenset()), fake_tokenizer({"<a>": 1000}, []), budget=50, chunk=1)
+    size = pieces._size("00" + "y" * 20, [0] * 22)  # each kept piece below: its text, 4 bytes a token, its entry
+    cache = PieceCache(Specials({"<a>": 1000}, frozenset()), fake_tokenizer({"<a>": 1000}, []), budget=2 * size + 10,
+                       chunk=0)
     for i in range(20):
         cache.tokenize(f"<a>{i:02d}" + "y" * 20 + "<a>", False)
-    assert cache._held <= 50 and len(cache._pieces) == 2
+    assert cache._held <= 2 * size + 10 and len(cache._pieces) == 2
+    assert list(cache._pieces) == ["18" + "y" * 20, "19" + "y" * 20]  # the latest
+
+
+def test_a_vocabulary_that_fails_to_read_is_tokenized_whole(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def deep(*args: object) -> None:
+        calls.append(1)
+        raise RecursionError("a trie too deep")
+
+    monkeypatch.setattr("localllm.runtime.native.llama.read_specials", deep)
+    m = Model(tiny_path)
+    text = "<s>hello world</s>" * 60
+    assert m.tokenize(text) == whole(m, text, True) and m.tokenize(text) == whole(m, text, True)
+    assert calls == [1] and m._piece_cache() is None  # read once, not again on every prompt
 
 
 def test_read_specials_keeps_special_tokens_that_strip_nothing_and_hold_their_text_alone() -> None:
-    attrs = {0: pieces.CONTROL, 1: pieces.CONTROL | pieces.RSTRIP, 2: pieces.USER_DEFINED, 3: pieces.CONTROL,
-             4: pieces.CONTROL, 5: 4, 6: pieces.CONTROL}
+    attrs = {0: pieces.CONTROL, 1: 4, 2: pieces.USER_DEFINED, 3: pieces.CONTROL, 4: pieces.CONTROL, 5: 4,
+             6: pieces.CONTROL}
     text = {0: b"<a>", 1: b"<b>", 2: b"\n\n", 3: b"<c>", 4: b"<c>", 5: b"plain", 6: b"<d>"}
     got = read_specials(7, attrs.__getitem__, text.__getitem__)
-    # <b> strips the whitespace after it, <c> is held by two tokens, "plain" is a normal token
+    # <c> is held by two tokens; "plain" and <b> are normal tokens
     assert got is not None and got.marks == {"<a>": 0, "\n\n": 2, "<d>": 6}
     assert got.controls == {"<a>", "<d>"}
     assert "\n\n" in got.pairs and "la" not in got.pairs
     assert read_specials(1, lambda t: pieces.USER_DEFINED, lambda t: b"\xff<") is None
+    # a token that strips the whitespace after it (Phi-3's RSTRIP) is not cut at, and then no token whose text begins
+    # or ends with whitespace is either: the stripping token, matched first, may swallow it
+    attrs[1] = pieces.CONTROL | pieces.RSTRIP
+    attrs[7], text[7] = pieces.USER_DEFINED, b" x"
+    got = read_specials(8, attrs.__getitem__, text.__getitem__)
+    assert got is not None and got.marks == {"<a>": 0, "<d>": 6}
 
 
 def test_trie_pattern_matches_the_longest_word_at_each_place() -> None:

@@ -248,12 +248,15 @@ class Model:
         if not self._pieces_read:
             with self._prompt_pieces_lock:
                 if not self._pieces_read:
+                    self._pieces_read = True  # once, whatever happens: a vocabulary that fails is tokenized whole
                     ok = self.meta("tokenizer.ggml.model") in TOKENIZERS and not self.add_eos
-                    specials = read_specials(self.n_vocab, functools.partial(lc.llama_vocab_get_attr, self.vocab),
-                                             self.token_text) if ok else None
-                    if specials is not None and specials.marks:
-                        self._prompt_pieces = PieceCache(specials, lambda t, add: self._tokenize(t, add, True))
-                    self._pieces_read = True
+                    try:
+                        specials = read_specials(self.n_vocab, functools.partial(lc.llama_vocab_get_attr, self.vocab),
+                                                 self.token_text) if ok else None
+                        if specials is not None and specials.marks:
+                            self._prompt_pieces = PieceCache(specials, lambda t, add: self._tokenize(t, add, True))
+                    except (RecursionError, re.error, ValueError):  # a trie too deep for `re` (thousands of nested words)
+                        self._prompt_pieces = None
         return self._prompt_pieces
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:

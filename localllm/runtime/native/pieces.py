@@ -23,11 +23,12 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PIECE_BUDGET = 1 << 20  # tokens remembered across pieces (4 bytes each, plus the pieces' text)
+PIECE_BUDGET = 64 << 20  # bytes the kept pieces may take (their text, tokens and the dict's entry: _size)
+ENTRY_BYTES = 250  # a kept piece's own cost beside its text and tokens (measured: a short piece takes ~230)
 PIECES_FROM = 512  # characters: a shorter text is tokenized whole (it costs microseconds)
 CHUNK = 1024  # characters: a piece ends at the first special token past this many
 
@@ -62,7 +63,7 @@ class PieceCache:
         joiner = max(sorted(specials.controls), key=len, default=None)
         self._sep = (joiner, specials.marks[joiner]) if joiner else None
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
-        self._held = 0  # tokens in _pieces
+        self._held = 0  # bytes in _pieces (_size)
         self._bos: list[int] | None = None  # what the vocabulary adds before a text (add_special)
         self._lock = threading.Lock()
         self.counts = {"hits": 0, "tokenized": 0}  # pieces found, pieces tokenized
@@ -117,11 +118,11 @@ class PieceCache:
         with self._lock:
             self.counts["tokenized"] += len(missing)
             for piece, tokens in new.items():
-                if piece not in self._pieces and len(tokens) <= self.budget:
+                if piece not in self._pieces and _size(piece, tokens) <= self.budget:
                     self._pieces[piece] = array("i", tokens)
-                    self._held += len(tokens)
+                    self._held += _size(piece, tokens)
             while self._held > self.budget:
-                self._held -= len(self._pieces.popitem(last=False)[1])
+                self._held -= _size(*self._pieces.popitem(last=False))
         return found | new
 
     def _tokenized(self, pieces: list[str]) -> dict[str, list[int]]:
@@ -144,6 +145,10 @@ class PieceCache:
                 if len(parts) == len(pieces):
                     return dict(zip(pieces, parts, strict=True))
         return {p: self._whole(p, False) for p in pieces}
+
+
+def _size(piece: str, tokens: Sequence[int]) -> int:
+    return len(piece) + 4 * len(tokens) + ENTRY_BYTES
 
 
 def trie_pattern(words: Iterable[str]) -> str:
@@ -173,11 +178,14 @@ TOKENIZERS = ("llama", "gpt2", "t5")  # SPM, BPE, UGM (tokenizer.ggml.model): st
 
 def read_specials(n_vocab: int, attr: Callable[[int], int], text: Callable[[int], bytes]) -> Specials | None:
     """The Specials of a vocabulary (`attr(id)`, `text(id)`: llama.cpp's token attributes and stored text); None
-    where a special token's text is not UTF-8 (a cut in a Python string could then fall inside it)."""
+    where a special token's text is not UTF-8 (a cut in a Python string could then fall inside it). Where some
+    special token strips the whitespace beside it (LSTRIP/RSTRIP: Phi-3's, a BERT's <mask>), no token whose text
+    begins or ends with whitespace is cut at: the stripping token, matched first, may swallow it."""
     marks: dict[str, int] = {}
     seen: set[str] = set()
     pairs: set[str] = set()
     controls: set[str] = set()
+    strips = False
     for t in range(n_vocab):
         a = attr(t)
         if not a & (CONTROL | USER_DEFINED | UNKNOWN):
@@ -187,6 +195,7 @@ def read_specials(n_vocab: int, attr: Callable[[int], int], text: Callable[[int]
         except UnicodeDecodeError:
             return None
         pairs.update(s[i:i + 2] for i in range(len(s) - 1))
+        strips = strips or bool(a & (LSTRIP | RSTRIP))
         if s in seen:  # two special tokens with one text: which one llama.cpp matches is not ours to guess
             marks.pop(s, None)
         elif s and not a & (LSTRIP | RSTRIP):
@@ -194,4 +203,6 @@ def read_specials(n_vocab: int, attr: Callable[[int], int], text: Callable[[int]
             if a & CONTROL:
                 controls.add(s)
         seen.add(s)
+    if strips:
+        marks = {s: t for s, t in marks.items() if not (s[0].isspace() or s[-1].isspace())}
     return Specials(marks, frozenset(pairs), frozenset(controls & marks.keys()))
