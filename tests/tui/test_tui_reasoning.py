@@ -72,8 +72,9 @@ async def test_reasoning_is_folded_apart_from_the_answer(tmp_path: Path) -> None
         assert "weigh" not in turn.source  # the reasoning is not in the answer's text
         assert block.collapsed and block.title == "Reasoning (10 words)"  # done: no "…"
         assert turn.children.index(block) < turn.children.index(turn.segments[0])  # above the answer
-        text = screen_text(app)
-        assert "Reasoning (10 words)" in text and "answer is" in text and "weigh the options" not in text
+        # the screen shows the widgets' state once the app has refreshed it (a loaded CI machine took longer)
+        await wait_for(pilot, lambda: "Reasoning (10 words)" in screen_text(app) and "answer is" in screen_text(app))
+        assert "weigh the options" not in screen_text(app)
         # unfolded (from the keyboard): the reasoning shows, muted, still apart from the answer
         block.query_one("CollapsibleTitle").focus()
         await pilot.press("enter")
