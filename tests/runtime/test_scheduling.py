@@ -293,8 +293,10 @@ def test_a_stale_slow_rate_is_probed_and_parking_resumes(tiny_path: Path) -> Non
     chats = [[(7 * i + 13 * k) % 250 + 3 for k in range(100)] for i in range(CopyCost.PROBE_EVERY + 4)]
     with Engine(tiny_path, n_ctx=256, slots=1, threads=2, min_park_tokens=16) as e:
         def stale() -> None:
-            e._parked.cost.get.add(1, 1e6)  # a byte per second
-            e._parked.cost.prefilled(1000, 0.01)
+            e._parked.cost.get.add(1, 1e6)  # a byte per megasecond
+            # prompts at 1 000 tokens/s: once probed, a copy wins by far even when one is timed on a busy machine (at
+            # 100 000 tokens/s, one copy of the tiny model's 100-token state timed slow on a loaded CI run kept it off)
+            e._parked.cost.prefilled(1000, 1.0)
 
         e._control(stale, 10)
         for c in chats:
