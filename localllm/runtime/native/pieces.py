@@ -8,7 +8,8 @@ special tokens (`<|im_start|>`, `<start_of_turn>`, `<|eot_id|>`; gemma's newline
 piece by piece, provided that:
 - no special token's text runs across a cut (where one could, a special token holds the two characters on either
   side of the cut: then the prompt is tokenized whole);
-- the token cut at strips no whitespace beside it (LSTRIP/RSTRIP tokens are not cut at);
+- the token cut at strips no whitespace beside it (LSTRIP/RSTRIP tokens are not cut at), and where any special
+  token strips, no token whose text begins or ends with whitespace is cut at (it could be swallowed);
 - the vocabulary adds no token after the text (EOS, SEP).
 
 A chat's next prompt repeats its history's pieces, so only its new messages are tokenized
