@@ -50,6 +50,27 @@ def test_runner_matches_the_engine_in_process(tiny_path: Path) -> None:
         assert r.stats()["runner"] == {"pid": r.pid, "state": "running"} and r.idle()
 
 
+def test_a_runner_hands_chunks_to_an_event_loop_without_a_thread_per_stream(tiny_path: Path) -> None:
+    """The runner's reader thread hands each chunk to the consumer's loop itself: a server streaming to
+    many clients starts no pump thread per request (one more wake-up before each token reaches a client)."""
+    import asyncio
+
+    from localllm.runtime.engine.stream import achunks
+
+    async def read(r: Runner) -> tuple[list[int], set[str]]:
+        got: list[int] = []
+        names: set[str] = set()
+        async for chunk in achunks(r.submit(greedy("Once upon a time", 12))):
+            got += chunk.tokens
+            names |= {t.name for t in threading.enumerate()}
+        return got, names
+
+    with Runner(tiny_path, n_ctx=512, slots=2, threads=1) as r:
+        tokens, names = asyncio.run(read(r))
+        assert tokens == r.generate(greedy("Once upon a time", 12)).tokens
+        assert "localllm-stream" not in names
+
+
 def test_errors_cross_the_process_boundary_as_themselves(tiny_path: Path) -> None:
     with Runner(tiny_path, n_ctx=256, slots=1, threads=1) as r:
         with pytest.raises(ContextOverflow) as info:

@@ -187,7 +187,9 @@ class Runner(ThreadSubmit):
                 self._replies.pop(rid, None)
             raise
         ran = request.prompt if reply.value is None else reply.value  # None: the request's own tokens
-        return Stream(state, request.id, lambda: None, list(ran))
+        stream = Stream(state, request.id, lambda: None, list(ran))
+        stream.forwards = True  # the reader thread hands each chunk on as it arrives: no pump thread per request
+        return stream
 
     def generate(self, request: Request) -> Any:
         return self.submit(request).result()
