@@ -58,6 +58,39 @@ def test_longest_finds_what_a_token_by_token_search_finds() -> None:
     assert n == 300 and key == liar
 
 
+def test_a_lookup_among_states_of_other_prompts_finds_what_a_search_of_all_finds() -> None:
+    """The tiers file states by their first MIN_REUSE tokens, and a prompt of 10 * MIN_REUSE tokens or more is looked
+    up only among the states sharing them. What a lookup serves (a prefix worth reusing) must be what a search of
+    every state serves: random families of keys, some sharing a head, some short, dropped and stored again, prompts
+    on both sides of the bound."""
+    import random
+
+    from localllm.runtime.cache.prefix import MIN_REUSE, Shelf, longest, worth_reusing
+
+    def served(prompt: list[int], found: tuple[tuple[int, ...] | None, int]) -> int:
+        return found[1] if found[0] is not None and worth_reusing(found[1], len(prompt)) else 0
+
+    rng = random.Random(7)
+    for _ in range(300):
+        heads = [[rng.randint(0, 3) for _ in range(MIN_REUSE + rng.randint(-2, 2))] for _ in range(3)]
+        lru = StateLRU(1 << 40)
+        for _ in range(rng.randint(0, 12)):
+            k = tuple(rng.choice(heads)[:rng.randint(1, MIN_REUSE + 2)] * rng.randint(1, 14))[:rng.randint(1, 1500)]
+            if k in lru._items and rng.random() < 0.5:
+                lru.take(k)
+            else:
+                lru.put(k, b"x", 0)
+        every = {k: (k, p.pos_min, p.hashes) for k, p in lru._items.items()}
+        for _ in range(5):
+            prompt = list(rng.choice(heads)[:rng.randint(1, MIN_REUSE + 2)] * rng.randint(1, 25))[:rng.randint(1, 1600)]
+            cap = max(len(prompt) - 1, 1)
+            assert served(prompt, lru.best(prompt, 0, cap)) == served(prompt, longest(list(every.values()), prompt, 0, cap))
+    shelf: Shelf[int] = Shelf()
+    shelf[(1,) * 100], shelf[(2,) * 100], shelf[(1,) * 30] = 1, 2, 3
+    assert [k[0] for k, _ in shelf.near([1] * 700)] == [1] and len(shelf.near([1] * 600)) == 3
+    assert shelf.pop((1,) * 100) == 1 and shelf.near([1] * 700) == [] and shelf.discard((1,) * 100) is None
+
+
 def test_state_lru_budget_and_redundant_prefixes() -> None:
     lru = StateLRU(100)
     assert lru.put([1, 2, 3], b"x" * 40)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from localllm.runtime.cache.prefix import block_hashes, longest
+from localllm.runtime.cache.prefix import Shelf, block_hashes, longest
 
 MAGIC = b"LLMSTAT1"
 _HEAD = struct.Struct("<8sIiQI")  # magic, n_tokens, pos_min, blob bytes, crc32 of the blob
@@ -93,7 +93,7 @@ class DiskStates:
     def __init__(self, folder: str | Path, budget_bytes: int, min_tokens: int = 256) -> None:
         self.dir = Path(folder)
         self.budget, self.min_tokens = budget_bytes, min_tokens
-        self._index: dict[tuple[int, ...], _Entry] = {}
+        self._index: Shelf[_Entry] = Shelf()
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
         self._pending = 0
@@ -158,7 +158,7 @@ class DiskStates:
     def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
         """(key, reusable length) of the stored state serving the longest prefix of `prompt` (as StateLRU.best)."""
         with self._lock:
-            items = [(k, e.pos_min, e.hashes) for k, e in self._index.items()]
+            items = [(k, e.pos_min, e.hashes) for k, e in self._index.near(prompt)]
         return longest(items, prompt, n_swa, cap)
 
     def load(self, key: tuple[int, ...]) -> bytes | None:
@@ -283,7 +283,7 @@ class DiskStates:
         with self._lock:
             if expect is not None and self._index.get(key) is not expect:
                 return 0
-            e = self._index.pop(key, None)
+            e = self._index.discard(key)
         if e is None:
             return 0
         with contextlib.suppress(OSError):

@@ -1,0 +1,106 @@
+"""Where a revisited chat's time to first token goes, stage by stage, on localllm's server.
+
+The workload bench's "revisits over chat" (8 chats with ~830-token system prompts on 4 slots, the gemma template,
+a pause before each request) against `localllm serve` alone, with every server and runner process stamping the
+stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
+median, min and max of each stage in ms.
+
+    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from localllm.bench import workloads as w
+from localllm.bench.http import localllm_server
+from localllm.bench.versus import Server, corpus, side_env
+
+HERE = Path(__file__).resolve().parent
+
+# (label, from, to): the first stamp of each tag after the request was sent
+STAGES = (("client to the handler", "send", "handler>"), ("lease the model", "handler>", "build>"),
+          ("build: render, tokenize", "build>", "build<"), ("submit to the runner", "build<", "admit>"),
+          ("admission", "admit>", "admit<"), ("to the decode", "admit<", "decode>"),
+          ("prompt decode", "decode>", "decode<"), ("sample the first token", "decode<", "token>"),
+          ("token to the client", "token>", "first"), ("TTFT", "send", "first"))
+PARTS = (("  of build: render (3 templates)", "render"), ("  of build: tokenize round trips", "rpc"),
+         ("  of admission: find the parked state", "best"), ("  of admission: park idle slots", "clear_idle"),
+         ("  of admission: restore it", "restore"))
+
+
+def requests(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
+    """Per request (from its "send" on): the first time of each tag, and the summed time spent in each part."""
+    out: list[dict[str, Any]] = []
+    open_at: dict[str, float] = {}
+    for t, tag in lines:
+        if tag == "send":
+            out.append({"send": t, "parts": {}})
+            open_at = {}
+            continue
+        if not out:
+            continue
+        cur = out[-1]
+        cur.setdefault(tag, t)
+        name = tag[:-1]
+        if tag.endswith(">"):
+            open_at[name] = t
+        elif name in open_at:
+            cur["parts"][name] = cur["parts"].get(name, 0.0) + t - open_at.pop(name)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="gemma3:270m")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    trace = Path(tempfile.mkdtemp()) / "stages.log"
+    sink = trace.open("a", buffering=1)
+    real_ask = w.ask_chat
+
+    async def ask_chat(c: Any, srv: Server, messages: list[dict[str, str]], n: int) -> w.Reply:
+        t0 = time.perf_counter()
+        sink.write(f"{t0:.6f} {os.getpid()} client send\n")
+        reply = await real_ask(c, srv, messages, n)
+        sink.write(f"{t0 + reply.ttft_ms / 1000:.6f} {os.getpid()} client first\n")
+        return reply
+
+    w.ask_chat = ask_chat  # chat_revisits asks through it
+    env = side_env(False, None) | {"LOCALLLM_CHAT_TEMPLATE": "gemma", "STAGE_TRACE": str(trace),
+                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "stage_trace"),
+                                                                               os.environ.get("PYTHONPATH")]))}
+    text, source = corpus()
+    texts = w.Texts(text, "\n".join(source.splitlines()[:w.CODE_LINES]), 4.0)
+    nonce = f"{time.time_ns() % 10**12:x}"
+    with localllm_server(threads=a.threads, ctx=16384, slots=4, extra_env=env) as (url, _):
+        srv = Server(url, a.model)
+        asyncio.run(w._warm({"localllm": srv}))
+        revisits: list[dict[str, Any]] = []
+        for r in range(a.rounds):
+            start = trace.stat().st_size
+            asyncio.run(w.chat_revisits(srv, texts, f"{nonce}.{r}", r))
+            with trace.open() as f:
+                f.seek(start)
+                lines = sorted((float(x.split()[0]), x.split()[3]) for x in f if len(x.split()) == 4)
+            revisits += requests(lines)[w.REVISIT_CHATS:]
+    print(f"{len(revisits)} revisits, ms   {'p50':>7} {'min':>7} {'max':>7}")
+    rows = [(label, [r[b] - r[x] for r in revisits if x in r and b in r]) for label, x, b in STAGES]
+    rows[3:3] = [(label, [r["parts"].get(p, 0.0) for r in revisits]) for label, p in PARTS[:2]]
+    rows[7:7] = [(label, [r["parts"].get(p, 0.0) for r in revisits]) for label, p in PARTS[2:]]
+    for label, xs in rows:
+        if xs:
+            ms = [1000 * x for x in xs]
+            print(f"{label:<38} {statistics.median(ms):7.2f} {min(ms):7.2f} {max(ms):7.2f}")
+
+
+if __name__ == "__main__":
+    main()
