@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from localllm.runtime.cache.prefix import common_prefix
 
 FALLBACK_TEMPLATE = "plain"
 MAX_NEXT_TURN = 32  # tokens: longer, a next turn's opening holds more than markup (ChatFormat.next_turn)
+PREFIX_TOKENS = 1 << 18  # tokens of system prefixes remembered (ChatFormat.prefix_tokens), ~9 MB
 # GGUF metadata key stem -> the role names templates.fim_prompt expects
 _FIM_ROLES = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle", "fim_rep": "repo", "fim_sep": "sep"}
 
@@ -35,6 +39,8 @@ class ChatFormat:
     bos_token: str = ""  # the model's BOS/EOS as text, for templates that write them ({{ bos_token }})
     eos_token: str = ""
     _next_turn: dict[tuple[Any, bool], list[int]] = field(default_factory=dict, repr=False, compare=False)
+    _prefixes: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict, repr=False, compare=False)
+    _prefix_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True,
                **extra: Any) -> templates.ChatParts:
@@ -64,6 +70,23 @@ class ChatFormat:
 
     def render_text(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return self.render(messages, **extra).text
+
+    def prefix_tokens(self, text: str, tokenize: Callable[[str], list[int]]) -> list[int]:
+        """The tokens of a system prefix (a request's n_keep), remembered for the chat's next turns: a runner's
+        tokenizer is a round trip away (~0.7 ms a request). One vocabulary per format; the least recently used go
+        beyond PREFIX_TOKENS tokens in all."""
+        with self._prefix_lock:
+            toks = self._prefixes.get(text)
+            if toks is not None:
+                self._prefixes.move_to_end(text)
+                return list(toks)
+        toks = tuple(tokenize(text))
+        with self._prefix_lock:
+            self._prefixes[text] = toks
+            total = sum(len(t) for t in self._prefixes.values())
+            while total > PREFIX_TOKENS and len(self._prefixes) > 1:
+                total -= len(self._prefixes.popitem(last=False)[1])
+        return list(toks)
 
     def next_turn(self, model: ModelView, **extra: Any) -> list[int]:
         """The tokens a conversation's next prompt puts after an assistant reply (Request.next_turn): the template's

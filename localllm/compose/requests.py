@@ -179,7 +179,7 @@ class RequestBuilder:
         # is refused, by the engine
         if wire_policy == "truncate_history" and truncatable and not images:
             prompt, notices = self._fit_history(messages, prompt, options, lambda msgs: how.render(msgs)[0])
-        n_keep = common_prefix(self._tokens(system_prefix), prompt) if system_prefix else 0
+        n_keep = common_prefix(self.fmt.prefix_tokens(system_prefix, self._tokens), prompt) if system_prefix else 0
         req = self._request(prompt, options, stops=self.fmt.stops, n_keep=n_keep, policy=policy)
         req.media = images
         req.show_special = preserved(self.fmt.template) + (fmt.think or ())

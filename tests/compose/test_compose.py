@@ -70,6 +70,34 @@ def test_n_keep_is_the_system_prefix_as_it_appears_in_the_prompt(engine: Any) ->
     assert RequestBuilder(fmt, engine).chat(TURNS, Options(n_keep=-1)).request.n_keep == -1  # the client's word wins
 
 
+def test_a_chats_next_turn_tokenizes_its_system_prefix_once(engine: Any) -> None:
+    """n_keep needs the system prefix's tokens; a chat's next turns have the same prefix, and a runner's tokenizer is
+    a round trip away (~0.7 ms a request). Each later turn now tokenizes its prompt only, with the same n_keep as a
+    format that never saw the chat; another system prompt is tokenized again."""
+
+    class Counting:
+        def __init__(self) -> None:
+            self.model, self.n_ctx, self.texts = engine.model, engine.n_ctx, []
+
+        def tokenize(self, text: str, **kw: Any) -> list[int]:
+            self.texts.append(text)
+            return engine.tokenize(text, **kw)
+
+    fmt, counting = builtin_format("chatml", engine.model), Counting()
+    first = RequestBuilder(fmt, counting).chat(TURNS[:2], Options()).request
+    assert len(counting.texts) == 2  # the prompt, the system prefix
+    later = TURNS + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "again"}]
+    for msgs in (TURNS, later):
+        counting.texts.clear()
+        req = RequestBuilder(fmt, counting).chat(msgs, Options()).request
+        assert len(counting.texts) == 1
+        fresh = RequestBuilder(builtin_format("chatml", engine.model), engine).chat(msgs, Options()).request
+        assert req.n_keep == fresh.n_keep == first.n_keep > 1 and req.prompt == fresh.prompt
+    counting.texts.clear()
+    other = [{"role": "system", "content": "You are verbose."}, *TURNS[1:]]
+    assert RequestBuilder(fmt, counting).chat(other, Options()).request.n_keep > 1 and len(counting.texts) == 2
+
+
 def test_template_bos_and_eos_are_the_models_own(engine: Any) -> None:
     """Templates were rendered with bos_token="" and eos_token="": a Mistral-style template lost the EOS
     that closes each assistant turn. Now both are the model's tokens, and BOS still comes once."""
