@@ -206,21 +206,11 @@ class Generation:
         """Lease the model, build the plan off the event loop (rendering, tokenizing) and submit it.
         Any error releases the lease and propagates (the dialect answers it with a status code)."""
         lease = await acquire(state, name, options=options, keep_alive=keep_alive)
-        limit = max_waiting(state.settings)
-
-        def build_and_submit() -> tuple[Plan, TokenStream]:  # one worker thread for both: a hand-off fewer
-            plan = build(lease)
-            check_capacity(lease.engine, limit)
-            return plan, lease.engine.submit(plan.request)
-
         try:
             engine = lease.engine  # a remote model's engine builds and submits on this loop, no worker thread
-            if engine.on_loop:
-                plan = build(lease)
-                check_capacity(engine, limit)
-                stream = await engine.asubmit(plan.request)
-            else:
-                plan, stream = await run_in_threadpool(build_and_submit)
+            plan = build(lease) if engine.on_loop else await run_in_threadpool(build, lease)
+            check_capacity(engine, max_waiting(state.settings))
+            stream = await _submit(engine, plan.request)
         except BaseException:
             lease.release()
             raise
