@@ -25,16 +25,16 @@ from localllm.bench.versus import Server, corpus, side_env
 
 HERE = Path(__file__).resolve().parent
 
-# (label, from, to): the first stamp of each tag after the request was sent
-STAGES = (("client to the handler", "send", "handler>"), ("lease the model", "handler>", "build>"),
-          ("build: render, tokenize", "build>", "build<"), ("submit to the runner", "build<", "admit>"),
-          ("admission", "admit>", "admit<"), ("to the decode", "admit<", "decode>"),
-          ("prompt decode", "decode>", "decode<"), ("sample the first token", "decode<", "token>"),
-          ("token to the client", "token>", "first"), ("TTFT", "send", "first"))
-PARTS = (("  of build: render (3 templates)", "render"), ("  of build: tokenize round trips", "rpc"),
-         ("  of admission: find the parked state", "best"), ("  of admission: park idle slots", "clear_idle"),
-         ("  of admission: restore it", "restore"))
-
+# (label, from, to): the time between the first stamps of two tags after the request was sent; or (label, tag, None):
+# the time spent inside that tag's calls in all
+ROWS = (("client to the handler", "send", "handler>"), ("lease the model", "handler>", "build>"),
+        ("build: render, tokenize", "build>", "build<"), ("  of build: render (3 templates)", "render", None),
+        ("  of build: tokenize round trips", "rpc", None), ("submit to the runner", "build<", "admit>"),
+        ("admission", "admit>", "admit<"), ("  of admission: find the parked state", "best", None),
+        ("  of admission: park idle slots", "clear_idle", None), ("  of admission: restore it", "restore", None),
+        ("to the decode", "admit<", "decode>"), ("prompt decode", "decode>", "decode<"),
+        ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),
+        ("TTFT", "send", "first"))
 
 def requests(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
     """Per request (from its "send" on): the first time of each tag, and the summed time spent in each part."""
@@ -93,9 +93,8 @@ def main() -> None:
                 lines = sorted((float(x.split()[0]), x.split()[3]) for x in f if len(x.split()) == 4)
             revisits += requests(lines)[w.REVISIT_CHATS:]
     print(f"{len(revisits)} revisits, ms   {'p50':>7} {'min':>7} {'max':>7}")
-    rows = [(label, [r[b] - r[x] for r in revisits if x in r and b in r]) for label, x, b in STAGES]
-    rows[3:3] = [(label, [r["parts"].get(p, 0.0) for r in revisits]) for label, p in PARTS[:2]]
-    rows[7:7] = [(label, [r["parts"].get(p, 0.0) for r in revisits]) for label, p in PARTS[2:]]
+    rows = [(label, [r["parts"].get(x, 0.0) for r in revisits] if b is None
+             else [r[b] - r[x] for r in revisits if x in r and b in r]) for label, x, b in ROWS]
     for label, xs in rows:
         if xs:
             ms = [1000 * x for x in xs]

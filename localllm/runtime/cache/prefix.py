@@ -34,15 +34,15 @@ def _same(a: Sequence[Any], b: Sequence[Any], i: int, j: int) -> bool:
     return x == y if type(x) is type(y) else tuple(x) == tuple(y)
 
 
+MIN_REUSE = 64  # a cached prefix this long is always worth reusing (worth_reusing)
+
+
 def worth_reusing(n: int, n_prompt: int) -> bool:
     """Whether a cached prefix of n tokens is worth reusing for a prompt of n_prompt tokens: 64 or more,
     or more than a tenth of the prompt (llama-server's --slot-prompt-similarity 0.1). A shorter one saves
     next to nothing, and its KV, computed in a small batch of another request, moves the logits off a
     fresh prefill's (a BOS from a 2-token batch flipped a near-tie on gemma-3-270m)."""
     return n >= MIN_REUSE or 10 * n > n_prompt
-
-
-MIN_REUSE = 64  # a cached prefix this long is always worth reusing (worth_reusing)
 
 
 BLOCK = 128  # tokens per block of block_hashes
