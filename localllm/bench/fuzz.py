@@ -101,6 +101,8 @@ class _Fuzzer(Traffic):
         kw.setdefault("n_ctx", self.n_ctx)
         kw.setdefault("slots", self.slots)
         kw.setdefault("threads", self.threads)
+        if self.rng.random() < 0.25:  # no RAM tier: idle histories stay in the KV cache beyond the slots (residents)
+            kw.setdefault("state_cache_bytes", 0)
         if self.rng.random() < 0.4:  # room for a few states only: the LRU evicts
             kw.setdefault("state_cache_bytes", self.kv_bytes_per_token() * self.rng.randint(self.window,
                                                                                                4 * self.window))
@@ -268,7 +270,8 @@ class _Fuzzer(Traffic):
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
             for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
-                      "checkpoints", "checkpoint_restores", "ahead_tokens", "kv_full", "steps"):
+                      "checkpoints", "checkpoint_restores", "ahead_tokens", "kv_full", "steps", "resident_kept",
+                      "resident_served", "resident_dropped"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0

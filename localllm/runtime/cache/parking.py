@@ -7,11 +7,12 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -343,15 +344,18 @@ class Parking:
         if tier == "disk" and self.disk is not None:
             self.disk.drop(key)
 
-    def save_all(self, slots: list[Slot], budget_s: float = 5.0) -> None:
-        """Before the context goes away (unload, shutdown): the histories worth keeping to disk, most
-        recently used first, for at most about `budget_s` (an unload holds up the pool meanwhile)."""
+    def save_all(self, slots: list[Slot], more: Iterable[Slot] = (), budget_s: float = 5.0) -> None:
+        """Before the context goes away (unload, shutdown): the histories worth keeping to disk, the slots' most
+        recently used first, then `more` (taken one at a time: the residents, each moved into a slot's sequence
+        first), for at most about `budget_s` (an unload holds up the pool meanwhile)."""
         if self.disk is None:
             return
         t0 = time.monotonic()
         try:
-            for s in sorted(slots, key=lambda s: -s.last_used):
-                if s.job is None and time.monotonic() - t0 < budget_s:
+            for s in itertools.chain(sorted(slots, key=lambda s: -s.last_used), more):  # `more` lazily
+                if time.monotonic() - t0 >= budget_s:
+                    break
+                if s.job is None:
                     self.park(s, keep=0, ram=False)
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))

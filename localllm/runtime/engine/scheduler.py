@@ -25,6 +25,7 @@ from localllm.errors import EngineError, InvalidInput, LocalLLMError
 from localllm.runtime.api import Embeddings, ThreadSubmit
 from localllm.runtime.cache.parking import Parking, open_disk_tier
 from localllm.runtime.cache.prefix import RECURRENT, common_prefix, kv_holds, worth_reusing
+from localllm.runtime.cache.resident import Residents, sharers
 from localllm.runtime.cache.reuse import Moves, apply_moves, plan_moves
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
@@ -123,6 +124,9 @@ class Engine(ThreadSubmit):
         self._parked = Parking(self.ctx, state_cache_bytes, min_park_tokens, self._n_swa,
                                open_disk_tier(disk_cache, self.ctx, swa_full), scratch=scratch,
                                window=self._checkpointing)
+        # idle histories kept in the KV cache under spare sequence ids where parking did not take them (a GPU, where
+        # copying costs more than computing again; a full RAM tier): not where cells are a window's or a state
+        self._residents = Residents(self.ctx, slots + (scratch is not None), enabled=not self._checkpointing)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
@@ -258,12 +262,16 @@ class Engine(ThreadSubmit):
         slots = [{"id": s.id, "state": s.state, "n_tokens": len(s.tokens), "kv_pos_max": self._kv_pos[s.id]}
                  for s in self.slots]
         return {"slots": slots, "waiting": self.waiting(), "n_ctx": self.n_ctx,
-                "n_batch": self.n_batch, **self._counters, **self._parked.stats(),
+                "n_batch": self.n_batch, **self._counters, **self._parked.stats(), **self._residents.stats(),
                 "speculative": self._drafter.name if self._drafter else None}
 
     def reset_cache(self, timeout: float = 30.0) -> None:
         """Forget idle slots' histories and parked states (the KV cache holds only running requests)."""
-        self._control(lambda: self._parked.forget(self.slots, self._drafter), timeout)
+        def forget() -> None:
+            self._residents.clear()
+            self._parked.forget(self.slots, self._drafter)
+
+        self._control(forget, timeout)
 
     def _control(self, call: Callable[[], None], timeout: float | None) -> None:
         """Run `call` on the scheduler thread (which owns the context) between steps; its error is raised here."""
@@ -322,7 +330,7 @@ class Engine(ThreadSubmit):
         if self._thread.is_alive():  # still inside llama.cpp: freeing the context under it would crash the process
             return
         try:  # the context is free: keep what the slots hold on disk
-            self._parked.save_all(self.slots)
+            self._parked.save_all(self.slots, self._residents.through(self.slots[0]))
         finally:
             self._close_native()
 
@@ -460,6 +468,10 @@ class Engine(ThreadSubmit):
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans, False),
                   default=None)
         n_src = self._reusable(src, prompt, cap, spans, False) if src is not None else 0
+        # or a history kept in the cache beyond the slots, copied back the same way
+        res, n_res = self._residents.best(lambda r: self._reusable(r, prompt, cap, spans, False))
+        if n_res > n_src:
+            src, n_src = res, n_res
         need = max(n, held(dst)) + _REUSE_MIN
         # a parked state only where it serves more than the slot and any copy: CopyCost is asked about real restores
         tier, key, n_park = self._parked.best(prompt, cap, need=max(need, n_src + 1 if src is not None else 0))
@@ -474,12 +486,14 @@ class Engine(ThreadSubmit):
         if not (gain and copy):
             self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
-            self._parked.park(dst, keep=0)
+            self._set_aside(dst, 0, len(prompt), protect=src)
             self.ctx.seq_rm(dst.id)
             dst.reset()
             if copy:
                 self.ctx.seq_cp(src.id, dst.id, 0, n_src)  # metadata-only in a unified KV cache
                 dst.reset(src.tokens[:n_src])
+                if src is res:
+                    self._residents.taken(res)
                 self._counters["copied_prefix"] += 1
                 used = "kv"
             else:
@@ -494,7 +508,7 @@ class Engine(ThreadSubmit):
             n = self._reusable(dst, prompt, cap, spans)
         else:
             if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
-                self._parked.park(dst, keep=n)
+                self._set_aside(dst, n, len(prompt))
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
         if gain and copy:
@@ -504,7 +518,7 @@ class Engine(ThreadSubmit):
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
             n = 0
         if shifting and used == "slot" and n < len(dst.tokens) and moves[dst.id][1]:
-            n = apply_moves(self.ctx, dst, self.slots, prompt, n, moves[dst.id][1])
+            n = apply_moves(self.ctx, dst, sharers(self.slots, self._residents), prompt, n, moves[dst.id][1])
             if self._drafter is not None:
                 self._drafter.forget(dst.id)
             self._counters["shifted_chunks"] += len(moves[dst.id][1])
@@ -534,6 +548,17 @@ class Engine(ThreadSubmit):
             job.stream.put(Chunk(progress=PromptProgress(len(prompt), n, n, 0.0)))
         for notice in job.notices:
             job.stream.put(Chunk(notice=notice))
+
+    def _set_aside(self, s: Slot, keep: int, n_prompt: int, protect: Slot | None = None) -> None:
+        """Before idle slot s's history past its first `keep` tokens goes (to an n_prompt-token prompt): park it (RAM,
+        disk); where RAM did not take it, keep it in the KV cache under a spare id, within what the slots and the new
+        prompt leave of the cache (a batch's worth spare, at most a quarter of it); `protect`: a resident about to be
+        copied, not evicted."""
+        if self._parked.park(s, keep=keep) or len(s.tokens) - keep < self._parked.min_tokens:
+            return
+        spare = min(self.n_batch, self.ctx.n_ctx // 4)
+        room = self.ctx.n_ctx - spare - n_prompt - sum(len(t.tokens) for t in self.slots if t is not s)
+        self._residents.keep(s, room, protect)
 
     def _reusable(self, s: Slot, prompt: list[int], cap: int, spans: list[prompt_media.Span],
                   checkpoints: bool = True) -> int:
@@ -584,7 +609,7 @@ class Engine(ThreadSubmit):
         job = s.job
         assert job is not None
         k = job.n_keep
-        others = [t for t in self.slots if t is not s]
+        others = [t for t in sharers(self.slots, self._residents) if t is not s]
         d, cut = context_shift.plan_shared_shift(s.tokens, k, [(t.tokens, t.job is not None) for t in others])
         for t in (others[i] for i in cut):  # idle sharers of the cells beyond n_keep give up their tail
             if self.ctx.seq_rm(t.id, k, -1):
@@ -675,7 +700,7 @@ class Engine(ThreadSubmit):
             if any(drafts for _, _, drafts, _ in rows):
                 self._draft_pause = True  # retry without drafts before taking room from anyone
             else:
-                self._free_kv()
+                self._free_kv(batch.n_tokens)
             return
         c = self._counters
         c["steps"] += 1
@@ -768,7 +793,7 @@ class Engine(ThreadSubmit):
             if not self.ctx.seq_rm(s.id, pos, -1):  # a recurrent state took the image's first batches: no retry
                 self._fail(s, EngineError("the KV cache filled up while an image was read", "try again"))
                 return
-            self._free_kv()  # room from idle histories (or a stopped request); the image is tried again
+            self._free_kv(span.n)  # room from idle histories (or a stopped request); the image is tried again
             return
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
             self._fail(s, exc)
@@ -785,8 +810,11 @@ class Engine(ThreadSubmit):
             job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
                                                          (time.perf_counter() - job.t_admit) * 1000)))
 
-    def _free_kv(self) -> None:
-        """KV cache full: drop idle histories first, else shift or stop the biggest request."""
+    def _free_kv(self, n: int) -> None:
+        """KV cache full for n more tokens: drop the histories kept beyond the slots (least recently used first,
+        about n tokens' worth), else idle slots' histories, else shift or stop the biggest request."""
+        if self._residents.make_room(n):
+            return
         idle = [s for s in self.slots if s.job is None and s.tokens]
         if idle:
             for s in idle:
