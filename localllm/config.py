@@ -96,6 +96,9 @@ class Settings:
     # images come inline (data: URIs, base64), as a server on someone's laptop should not fetch for a web page
     allow_image_urls: bool = False
     prefix_cache_bytes: int = 512 * 1024 * 1024
+    # an idle history that parking did not take stays in the KV cache beyond the slots, under a spare sequence id,
+    # until its cells are wanted (runtime/cache/resident.py); False: it is dropped, as before
+    resident_histories: bool = True
     # a sliding-window model's SWA layers: unset, at full context size (any cached prefix reusable as it is)
     # where they fit in memory with as many GPU layers and add at most half the weights' size, else at the
     # window's size (before a smaller context or a quantized cache); true, always full size; false, always the
@@ -294,6 +297,7 @@ RULES: dict[str, Rule] = {
     "allow_local_pull": Rule("bool"),
     "allow_image_urls": Rule("bool"),
     "prefix_cache_bytes": Rule("int", 0),
+    "resident_histories": Rule("bool"),
     "swa_full": Rule("bool", optional=True),
     "cache_reuse": Rule("int", 0, 1 << 20),
     "prompt_cache_disk_bytes": Rule("int", 0),

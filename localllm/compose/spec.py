@@ -241,6 +241,8 @@ class Composer:
             kw["state_cache_bytes"] = int(s.prefix_cache_bytes)
         if s.cache_reuse:
             kw["cache_reuse"] = s.cache_reuse
+        if not s.resident_histories:
+            kw["resident"] = False
         disk = s.prompt_cache_disk_bytes
         if disk > 0 and digest:  # the disk tier: one folder per model file (and projector: an image's KV is its)
             from localllm.config import paths

@@ -113,3 +113,19 @@ def test_an_unloaded_engine_saves_its_residents_to_disk(tiny_path: Path, tmp_pat
         got = e.generate(Request(again, GREEDY, max_tokens=8, ignore_eos=True))
     assert got.timings.cache_tier == "disk" and got.usage.cached_tokens >= 100
     assert_like_reference(tiny_path, again, got.tokens, n=8, ignore_eos=True)
+
+
+def test_resident_histories_off_drops_them_as_before(tiny_path: Path) -> None:
+    """`resident_histories = false` (LOCALLLM_RESIDENT_HISTORIES): the engine keeps none, a revisit computes again."""
+    from localllm.config import load_settings
+
+    assert load_settings({"LOCALLLM_RESIDENT_HISTORIES": "false"}).resident_histories is False
+    assert load_settings({}).resident_histories is True
+    chats = [_chat(i) for i in range(2)]
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=16, resident=False) as e:
+        _slow_copies(e)
+        for c in chats:
+            e.generate(Request(c, GREEDY, max_tokens=4, ignore_eos=True))
+        got = e.generate(Request(chats[0] + [5], GREEDY, max_tokens=4, ignore_eos=True))
+        st = e.stats()
+    assert st["resident_kept"] == 0 and got.timings.cache_tier == ""

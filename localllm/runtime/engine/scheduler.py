@@ -69,7 +69,8 @@ class Engine(ThreadSubmit):
     prefill_chunk: the most prompt tokens one step prefills while other slots generate (n_batch / 2).
     ctx_per_slot: the most tokens one sequence may hold (None: all of n_ctx).
     cpu_kernels: llama.Model's. mmproj: a vision projector for this model (runtime/native/vision.py): requests
-    may then carry images.
+    may then carry images. resident: keep idle histories that parking did not take in the KV cache beyond the
+    slots (runtime/cache/resident.py).
     """
 
     kind: ClassVar[str] = "engine"
@@ -82,7 +83,7 @@ class Engine(ThreadSubmit):
                  spec: SpecConfig | None = None, name: str = "", cpu_kernels: str = "auto",
                  disk_cache: tuple[Any, ...] | None = None, prefill_chunk: int | None = None,
                  rpc: list[str] | None = None, ctx_per_slot: int | None = None,
-                 mmproj: str | Path | None = None, cache_reuse: int = 0) -> None:
+                 mmproj: str | Path | None = None, cache_reuse: int = 0, resident: bool = True) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
@@ -126,7 +127,7 @@ class Engine(ThreadSubmit):
                                window=self._checkpointing)
         # idle histories kept in the KV cache under spare sequence ids where parking did not take them (a GPU, where
         # copying costs more than computing again; a full RAM tier): not where cells are a window's or a state
-        self._residents = Residents(self.ctx, slots + (scratch is not None), enabled=not self._checkpointing)
+        self._residents = Residents(self.ctx, slots + (scratch is not None), enabled=resident and not self._checkpointing)
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
