@@ -73,6 +73,8 @@ class _Fuzzer(Traffic):
         if unknown:
             raise ValueError(f"unknown scenarios {unknown}; known: {', '.join(self.SCENARIOS)}")
         self.rng = random.Random(seed)
+        # settings drawn later than the rest, from their own sequence: a seed keeps the traffic it had before them
+        self.rng_more = random.Random(seed + 7919)
         self.slots = slots
         self.n_ctx = n_ctx
         self.threads = threads
@@ -101,7 +103,7 @@ class _Fuzzer(Traffic):
         kw.setdefault("n_ctx", self.n_ctx)
         kw.setdefault("slots", self.slots)
         kw.setdefault("threads", self.threads)
-        if self.rng.random() < 0.25:  # no RAM tier: idle histories stay in the KV cache beyond the slots (residents)
+        if self.rng_more.random() < 0.25:  # no RAM tier: idle histories stay in the KV cache beyond the slots
             kw.setdefault("state_cache_bytes", 0)
         if self.rng.random() < 0.4:  # room for a few states only: the LRU evicts
             kw.setdefault("state_cache_bytes", self.kv_bytes_per_token() * self.rng.randint(self.window,

@@ -8,7 +8,8 @@
 # imported into a fresh store; doctor and show --fit. pytest: `pytest -m gpu` (tests/gpu). checks: fit, OOM and a
 # killed runner (checks.py). versus: localllm beside llama-server (the same build, every layer on the GPU) on raw
 # work: localllm's adaptive prompt lookup is off, since a random-weight model's greedy text repeats itself in ways
-# no real model's does. workloads: the same pair at default settings, over what clients do.
+# no real model's does. workloads: the same pair at default settings, over what clients do; workloads_off: the same
+# with LOCALLLM_RESIDENT_HISTORIES=false (no histories kept beyond the slots). ROUNDS: the benches' rounds (1).
 # Everything it prints goes to $OUT/run.log; figures to $OUT/*.json and *.md. Each stage has its own time limit,
 # and a failed stage does not stop the next (T_PYTEST, T_CHECKS, T_VERSUS, T_WORKLOADS: their limits in seconds).
 set -u
@@ -63,7 +64,7 @@ if want checks; then
   grep -E "buffer size|CUDA0|cudaMalloc|out of memory|failed" /tmp/checks-server.log | head -n 80
 fi
 bench=(python3 -m localllm bench llama8b:latest --http --vs-llama-server /tmp/bin/llama-server --gpu-layers -1
-       --threads 8 --rounds 1)
+       --threads 8 --rounds "${ROUNDS:-1}")
 if want versus; then
   say "versus llama-server"
   LOCALLLM_LOOKUP_AUTO=0 timeout "${T_VERSUS:-420}" "${bench[@]}" --slots 8 --clients 1,8,32 --cold-tokens 4000 --json \
@@ -72,16 +73,22 @@ if want versus; then
   python3 -c "import json, sys; from localllm.bench import versus; versus.print_table(json.load(open(sys.argv[1])))" \
     "$OUT/versus.json"
 fi
-if want workloads; then
-  say "workloads"
-  timeout "${T_WORKLOADS:-420}" "${bench[@]}" --workloads --json > "$OUT/workloads.json"
-  say "workloads done ($?)"
+workloads() {  # $1: the JSON's name; the environment given before the call reaches localllm's server
+  say "workloads ($1)"
+  timeout "${T_WORKLOADS:-420}" "${bench[@]}" --workloads --json > "$OUT/$1.json"
+  say "workloads ($1) done ($?)"
   python3 -c "
 import json, sys
 from localllm.bench import workloads as w
 d = json.load(open(sys.argv[1]))
 d['settings'] = w.Settings(**d['settings'])
-w.print_table(w.Report(**d))" "$OUT/workloads.json"
+w.print_table(w.Report(**d))" "$OUT/$1.json"
+}
+if want workloads; then
+  workloads workloads
+fi
+if want workloads_off; then  # the same with no residents: idle histories parking did not take are dropped (before)
+  LOCALLLM_RESIDENT_HISTORIES=false workloads workloads-off
 fi
 if [ -n "${EXTRA:-}" ]; then  # a diagnostic of your own, in this environment
   say "extra: $EXTRA"

@@ -1,5 +1,5 @@
 """On an NVIDIA GPU (`pytest -m gpu`, a CUDA build): offloaded layers give the CPU reference's greedy tokens, parked
-states move between VRAM and RAM intact, and doctor / show --fit name the card. Skipped without one (conftest.py).
+states move between VRAM and RAM intact, histories kept beyond the slots serve their revisits, and doctor / show --fit name the card. Skipped without one (conftest.py).
 
 LOCALLLM_GPU_MODEL may name a larger GGUF (tests/gpu/llama8b.py's 8B-shaped Q4_K_M) to run the same checks on. It is
 read when the module loads: conftest's per-test fixture clears every LOCALLLM_* variable (on the H200 it did, and the
@@ -82,6 +82,26 @@ def test_a_parked_history_comes_back_from_ram_to_the_gpu(tiny_path: Path, tmp_pa
             st = e.stats()
         assert st["hits_ram"] == 1 and st["restored"] >= 1, (label, st)
         assert_like_reference(path, again, got, n=10, ignore_eos=True, tol=tol)
+
+
+def test_a_resident_history_stays_in_vram_and_serves_its_revisit(tiny_path: Path, tmp_path: Path) -> None:
+    """No RAM tier: the histories the one slot gives up stay in the KV cache on the card under spare sequence ids
+    (runtime/cache/resident.py), and each revisit copies its own back and goes on as the reference does."""
+    from helpers import assert_like_reference
+
+    rng = random.Random(7)
+    for label, path, tol in _models(tmp_path, tiny_path):
+        with Engine(path, n_ctx=1024, slots=1, threads=4, n_gpu_layers=99, state_cache_bytes=0,
+                    min_park_tokens=16) as e:
+            n_vocab = e.model.n_vocab
+            chats = [[rng.randrange(300, min(n_vocab, 20000)) for _ in range(100)] for _ in range(3)]
+            for c in chats:
+                e.generate(Request(c, GREEDY, max_tokens=4, ignore_eos=True))
+            again = chats[0] + [rng.randrange(300, min(n_vocab, 20000)) for _ in range(9)]
+            got = e.generate(Request(again, GREEDY, max_tokens=10, ignore_eos=True))
+            st = e.stats()
+        assert got.timings.cache_tier == "kv" and st["resident_served"] == 1, (label, st)
+        assert_like_reference(path, again, got.tokens, n=10, ignore_eos=True, tol=tol)
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
