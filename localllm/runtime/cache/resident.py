@@ -14,12 +14,15 @@ take from the running sequences. Used by the engine's scheduler thread only.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
+from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.native.llama import Context
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: in a unified cache every id below it maps to the one stream
+PROBE_EVERY = 16  # while residents do not pay, one keep in this many asks anyway
 
 
 class Residents:
@@ -31,6 +34,11 @@ class Residents:
         self.held: list[Slot] = []  # least recently used first
         self._free = list(range(first, MAX_SEQ)) if enabled else []
         self.kept = self.served = self.dropped = 0  # /metrics: histories kept, copied back into a slot, evicted
+        # how the last residents ended: served (True) or evicted unserved (False). Cells held cost every sequence
+        # placed after them attention reads; where none comes back (distinct prompts, a throughput run) they are all
+        # cost, so keeping stops, save a probe every PROBE_EVERY refusals
+        self._ends: deque[bool] = deque(maxlen=16)
+        self._refused = 0
 
     @property
     def enabled(self) -> bool:
@@ -43,25 +51,47 @@ class Residents:
 
     def keep(self, slot: Slot, room: int, protect: Slot | None = None) -> bool:
         """Keep an idle slot's whole history before the slot's cells past its reused prefix are removed. `room`: the
-        tokens the residents may hold in all (the cache less what the slots and the new prompt need); the least
-        recently used others make way, never `protect` (a resident about to be copied into a slot). False where it
-        does not fit even alone."""
+        tokens the residents may hold in all (Engine: what the slots and the new prompt leave of the cache, and no
+        more than they hold); the least recently kept others make way, never `protect` (a resident about to be copied
+        into a slot, its cells the slot's from then on: not counted). False where it does not fit even alone."""
         n = len(slot.tokens)
-        if not self.enabled or n > room:
+        if not self.enabled or n > room or not self._paying():
             return False
-        while self.held and (not self._free or self.tokens + n > room):
+        self.fit(room - n, protect)
+        if not self._free:
             victim = next((r for r in self.held if r is not protect), None)
             if victim is None:
                 return False
             self.drop(victim)
-        if not self._free:
-            return False
         r = Slot(self._free.pop(0), last_used=slot.last_used, prompt_len=slot.prompt_len, editor=slot.editor)
         self.ctx.seq_cp(slot.id, r.id)
         r.reset(list(slot.tokens))
         self.held.append(r)
         self.kept += 1
         return True
+
+    def _paying(self) -> bool:
+        """Whether recent residents came back often enough to keep another: until 8 have ended, or at least a quarter
+        of the last 16 served; otherwise every PROBE_EVERY-th ask, to find out again."""
+        if len(self._ends) < 8 or 4 * sum(self._ends) >= len(self._ends):
+            self._refused = 0
+            return True
+        self._refused += 1
+        if self._refused < PROBE_EVERY:
+            return False
+        self._refused = 0
+        return True
+
+    def fit(self, room: int, protect: Slot | None = None) -> None:
+        """Drop the least recently kept until the others than `protect` hold at most `room` tokens."""
+        while (victim := next((r for r in self.held if r is not protect), None)) is not None and \
+                sum(len(r.tokens) for r in self.held if r is not protect) > room:
+            self.drop(victim)
+
+    def prune(self, min_tokens: int) -> None:
+        """Drop those a context shift or a moved run cut below min_tokens (too short to be worth a copy)."""
+        for r in [r for r in self.held if len(r.tokens) < min_tokens]:
+            self.drop(r)
 
     def best(self, served: Callable[[Slot], int]) -> tuple[Slot | None, int]:
         """The resident serving the most of a prompt by `served` (the scheduler's reusable length), and how much."""
@@ -72,25 +102,29 @@ class Residents:
         """Its prefix was copied into a slot (which serves the chat from now on): its id is free again."""
         self._release(r)
         self.served += 1
+        self._ends.append(True)
 
     def drop(self, r: Slot) -> None:
         """Evicted: its cells go (those a slot shares stay with the slot)."""
         self._release(r)
         self.dropped += 1
+        self._ends.append(False)
 
     def _release(self, r: Slot) -> None:
         self.ctx.seq_rm(r.id)
         self.held.remove(r)
         self._free.append(r.id)
 
-    def make_room(self, n: int) -> bool:
-        """The cache is full: drop the least recently used until about n tokens' worth went. False: none was held."""
+    def make_room(self, n: int, slots: Sequence[Slot]) -> bool:
+        """The cache is full: drop the least recently kept until about n cells went (a resident's cells that a slot
+        shares stay). False: none was held."""
         if not self.held:
             return False
         gone = 0
         while self.held and gone < n:
-            gone += len(self.held[0].tokens)
-            self.drop(self.held[0])
+            r = self.held[0]
+            gone += len(r.tokens) - max((common_prefix(r.tokens, s.tokens) for s in slots), default=0)
+            self.drop(r)
         return True
 
     def through(self, vehicle: Slot) -> Iterator[Slot]:
