@@ -9,8 +9,8 @@
 #
 # SDIST_DIR: the unpacked llama-cpp-python sdist (pip download --no-deps --no-binary :all: llama-cpp-python==VER).
 # CUDA_ARCH: default 90 (H100/H200). Needs nvcc (CUDA 13 here; the device's CUDA must be the same major version)
-# and cuBLAS's headers and libraries beside it (CUDA_ROOT; pip's nvidia-cublas wheel has them). Cross-compiling
-# for one architecture takes ~25 minutes on 2 cores, time the device's 15 minutes cannot spare.
+# and cuBLAS's headers and libraries beside it (CUDA_ROOT; tests/gpu/pip_cuda.sh makes one from PyPI's wheels).
+# Cross-compiling for one architecture takes ~25 minutes on 2 cores, time the device's 15 minutes cannot spare.
 set -euo pipefail
 sdist="$(cd "$1" && pwd)"
 arch="${2:-90}"

@@ -19,7 +19,7 @@ from tinymodel import make_tiny_gemma3_gguf
 
 from localllm.eval.reference import TOL
 from localllm.runtime.engine.scheduler import Engine
-from localllm.runtime.types import GenerationParams, Request
+from localllm.runtime.types import GenerationParams, Request, Result
 
 pytestmark = pytest.mark.gpu
 GREEDY = GenerationParams(temperature=0)
@@ -63,6 +63,17 @@ def test_offloaded_layers_give_the_cpu_references_greedy_tokens(tiny_path: Path,
             assert_like_reference(path, p, got, n=12, ignore_eos=True, tol=tol)
 
 
+def _three_chats_and_a_revisit(e: Engine, rng: random.Random) -> tuple[list[int], Result]:
+    """Three 100-token chats on the engine's one slot, then the first one again with 9 more tokens: (that prompt,
+    its greedy reply of 10 tokens)."""
+    n_vocab = e.model.n_vocab
+    chats = [[rng.randrange(300, min(n_vocab, 20000)) for _ in range(100)] for _ in range(3)]
+    for c in chats:
+        e.generate(Request(c, GREEDY, max_tokens=4, ignore_eos=True))
+    again = chats[0] + [rng.randrange(300, min(n_vocab, 20000)) for _ in range(9)]
+    return again, e.generate(Request(again, GREEDY, max_tokens=10, ignore_eos=True))
+
+
 def test_a_parked_history_comes_back_from_ram_to_the_gpu(tiny_path: Path, tmp_path: Path) -> None:
     """One slot, three conversations: each revisit restores its parked KV state (VRAM → RAM → VRAM) and goes on
     as the reference does; the SWA model restores a checkpoint of its window."""
@@ -73,15 +84,10 @@ def test_a_parked_history_comes_back_from_ram_to_the_gpu(tiny_path: Path, tmp_pa
         # 256 cells hold two of the chats: the third evicts the first, which is parked in RAM
         with Engine(path, n_ctx=256, slots=1, threads=4, n_gpu_layers=99, state_cache_bytes=256 << 20,
                     min_park_tokens=16) as e:
-            n_vocab = e.model.n_vocab
-            chats = [[rng.randrange(300, min(n_vocab, 20000)) for _ in range(100)] for _ in range(3)]
-            for c in chats:
-                e.generate(Request(c, GREEDY, max_tokens=4, ignore_eos=True))
-            again = chats[0] + [rng.randrange(300, min(n_vocab, 20000)) for _ in range(9)]
-            got = e.generate(Request(again, GREEDY, max_tokens=10, ignore_eos=True)).tokens
+            again, got = _three_chats_and_a_revisit(e, rng)
             st = e.stats()
         assert st["hits_ram"] == 1 and st["restored"] >= 1, (label, st)
-        assert_like_reference(path, again, got, n=10, ignore_eos=True, tol=tol)
+        assert_like_reference(path, again, got.tokens, n=10, ignore_eos=True, tol=tol)
 
 
 def test_a_resident_history_stays_in_vram_and_serves_its_revisit(tiny_path: Path, tmp_path: Path) -> None:
@@ -93,12 +99,7 @@ def test_a_resident_history_stays_in_vram_and_serves_its_revisit(tiny_path: Path
     for label, path, tol in _models(tmp_path, tiny_path):
         with Engine(path, n_ctx=1024, slots=1, threads=4, n_gpu_layers=99, state_cache_bytes=0,
                     min_park_tokens=16) as e:
-            n_vocab = e.model.n_vocab
-            chats = [[rng.randrange(300, min(n_vocab, 20000)) for _ in range(100)] for _ in range(3)]
-            for c in chats:
-                e.generate(Request(c, GREEDY, max_tokens=4, ignore_eos=True))
-            again = chats[0] + [rng.randrange(300, min(n_vocab, 20000)) for _ in range(9)]
-            got = e.generate(Request(again, GREEDY, max_tokens=10, ignore_eos=True))
+            again, got = _three_chats_and_a_revisit(e, rng)
             st = e.stats()
         assert got.timings.cache_tier == "kv" and st["resident_served"] == 1, (label, st)
         assert_like_reference(path, again, got.tokens, n=10, ignore_eos=True, tol=tol)
