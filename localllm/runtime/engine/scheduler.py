@@ -479,7 +479,7 @@ class Engine(ThreadSubmit):
         used = "slot"  # the tier that serves the reused prefix (Timings.cache_tier)
         copy, gain = n_src >= n_park and src is not None, max(n_src, n_park) >= need
         # the residents leave room for this prompt (a restore needs its cells free) and what the others hold
-        room = self._resident_room(dst, len(prompt))
+        room = self._residents.room(self.slots, dst, len(prompt), self.n_batch)
         self._residents.fit(room, protect=src if gain and copy else None)
         # taken before parking dst can evict it; None from disk: the file failed its check (removed)
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
@@ -556,22 +556,11 @@ class Engine(ThreadSubmit):
 
     def _set_aside(self, s: Slot, keep: int, room: int, protect: Slot | None = None) -> None:
         """Before idle slot s's history past its first `keep` tokens goes: park it (RAM, disk); where RAM did not take
-        it, keep it in the KV cache under a spare id within `room` (_resident_room); `protect`: a resident about to be
+        it, keep it in the KV cache under a spare id within `room` (Residents.room); `protect`: a resident about to be
         copied, not evicted."""
         if self._parked.park(s, keep=keep) or len(s.tokens) - keep < self._parked.min_tokens:
             return
         self._residents.keep(s, room, protect)
-
-    def _resident_room(self, dst: Slot, n_prompt: int) -> int:
-        """The tokens the residents may hold while dst takes an n_prompt-token prompt: what the slots (their pending
-        prompts too) and the new prompt leave of the cache, a batch's worth spare (at most a quarter of it); and no
-        more than the slots hold, or a quarter of the cache. Every cell in use below a sequence's last one is
-        attended over by its prefill and decode (masked, but read): on an H200 a cache full of residents slowed an 8B
-        model's decode by ~10 % and its agent turns by ~20 %."""
-        others = sum(len(t.tokens) + (len(t.job.pending) if t.job else 0) for t in self.slots if t is not dst)
-        n_ctx = self.ctx.n_ctx
-        free = n_ctx - min(self.n_batch, n_ctx // 4) - n_prompt - others
-        return min(free, max(n_prompt + others, n_ctx // 4))
 
     def _reusable(self, s: Slot, prompt: list[int], cap: int, spans: list[prompt_media.Span],
                   checkpoints: bool = True) -> int:
