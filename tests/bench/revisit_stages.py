@@ -1,11 +1,12 @@
 """Where a revisited chat's time to first token goes, stage by stage, on localllm's server.
 
 The workload bench's "revisits over chat" (8 chats with ~830-token system prompts on 4 slots, the gemma template,
-a pause before each request) against `localllm serve` alone, with every server and runner process stamping the
+a pause before each request) against `localllm serve` alone (with --completion: the "revisits" workload instead,
+ChatML text over /completion with no pause), with every server and runner process stamping the
 stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
 median, min and max of each stage in ms.
 
-    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2]
+    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion]
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ ROWS = (("client to the handler", "send", "handler>"), ("lease the model", "hand
         ("build: render, tokenize", "build>", "build<"), ("  of build: render (3 templates)", "render", None),
         ("  of build: tokenize round trips", "rpc", None), ("submit to the runner", "build<", "admit>"),
         ("admission", "admit>", "admit<"), ("  of admission: find the parked state", "best", None),
-        ("  of admission: park idle slots", "clear_idle", None), ("  of admission: restore it", "restore", None),
+        ("  of admission: park idle slots", "clear_idle", None), ("  of admission: park a slot", "park", None),
+        ("  of admission: restore it", "restore", None),
         ("to the decode", "admit<", "decode>"), ("prompt decode", "decode>", "decode<"),
         ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),
         ("TTFT", "send", "first"))
@@ -62,19 +64,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="gemma3:270m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--completion", action="store_true", help="the /completion revisits (ChatML text, no pause)")
     a = ap.parse_args()
     trace = Path(tempfile.mkdtemp()) / "stages.log"
     sink = trace.open("a", buffering=1)
-    real_ask = w.ask_chat
+    real_ask, real_ask_chat = w.ask, w.ask_chat
 
-    async def ask_chat(c: Any, srv: Server, messages: list[dict[str, str]], n: int) -> w.Reply:
+    async def stamped(asking: Any) -> w.Reply:
         t0 = time.perf_counter()
         sink.write(f"{t0:.6f} {os.getpid()} client send\n")
-        reply = await real_ask(c, srv, messages, n)
+        reply = await asking
         sink.write(f"{t0 + reply.ttft_ms / 1000:.6f} {os.getpid()} client first\n")
         return reply
 
-    w.ask_chat = ask_chat  # chat_revisits asks through it
+    async def ask(c: Any, srv: Server, prompt: str, n: int) -> w.Reply:
+        return await stamped(real_ask(c, srv, prompt, n))
+
+    async def ask_chat(c: Any, srv: Server, messages: list[dict[str, str]], n: int) -> w.Reply:
+        return await stamped(real_ask_chat(c, srv, messages, n))
+
+    w.ask, w.ask_chat = ask, ask_chat  # the workloads ask through them
+    workload = w.revisits if a.completion else w.chat_revisits
     env = side_env(False, None) | {"LOCALLLM_CHAT_TEMPLATE": "gemma", "STAGE_TRACE": str(trace),
                                    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "stage_trace"),
                                                                                os.environ.get("PYTHONPATH")]))}
@@ -87,7 +97,7 @@ def main() -> None:
         revisits: list[dict[str, Any]] = []
         for r in range(a.rounds):
             start = trace.stat().st_size
-            asyncio.run(w.chat_revisits(srv, texts, f"{nonce}.{r}", r))
+            asyncio.run(workload(srv, texts, f"{nonce}.{r}", r))
             with trace.open() as f:
                 f.seek(start)
                 lines = sorted((float(x.split()[0]), x.split()[3]) for x in f if len(x.split()) == 4)

@@ -352,3 +352,47 @@ def test_gemma_chat_revisited_with_its_reply_trimmed_comes_from_ram(gemma_file: 
     with Reference(gemma_file, n_ctx=2048, threads=2) as ref:
         verdict = compare(ref, turn, r.tokens, n=6, ignore_eos=True, follow=True)
         assert verdict.ok, verdict
+
+
+def test_a_state_that_finds_no_room_in_the_kv_cache_stays_on_disk(tiny_path: Path, tmp_path: Path) -> None:
+    """A restore that fails because a busy request fills the KV cache is no verdict on the state: its file stays and
+    serves a later request. Before, every failed restore deleted the file, as if llama.cpp had refused a damaged
+    state, and the reopened chat was computed again from then on."""
+    disk = (str(tmp_path / "cache"), 64 << 20)
+    chat = [(7 * k) % 250 + 3 for k in range(300)]  # over the disk tier's 256-token minimum
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        e.generate(Request(chat, GREEDY, max_tokens=4, ignore_eos=True))
+    files = set((tmp_path / "cache").rglob("*.state"))
+    turn = chat + [300, 301]
+    with Engine(tiny_path, n_ctx=768, slots=2, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        busy = e.submit(Request([(11 * k) % 250 + 3 for k in range(500)], GREEDY, max_tokens=200, ignore_eos=True))
+        chunks = iter(busy)
+        next(chunks)  # prefilled: 500 of the 768 cells taken, the chat's state needs ~300
+        crowded = e.generate(Request(turn, GREEDY, max_tokens=6, ignore_eos=True))
+        for _ in chunks:  # the busy request ends (stopped where the cache was full, or at its length)
+            pass
+        assert crowded.timings.cache_tier != "disk" and e.stats()["restored"] == 0
+        assert files <= set((tmp_path / "cache").rglob("*.state"))
+    with Engine(tiny_path, n_ctx=768, slots=2, threads=2, min_park_tokens=32, disk_cache=disk) as e:
+        again = e.generate(Request(chat + [302], GREEDY, max_tokens=6, ignore_eos=True))
+    assert again.timings.cache_tier == "disk" and again.usage.cached_tokens == len(chat)
+    assert crowded.tokens == _fresh(tiny_path, turn) and again.tokens == _fresh(tiny_path, chat + [302])
+
+
+def test_a_state_parked_in_ram_that_finds_no_room_stays_in_ram(tiny_path: Path) -> None:
+    """The same in RAM: a parked chat whose restore finds the KV cache held by a busy request is still parked when the
+    request ends. Before, the failed restore had already taken the state out of RAM: it was lost."""
+    chat, other = [(7 * k) % 250 + 3 for k in range(300)], [(5 * k) % 250 + 3 for k in range(300)]
+    with Engine(tiny_path, n_ctx=768, slots=2, threads=2, min_park_tokens=32) as e:
+        first = e.generate(Request(chat, GREEDY, max_tokens=4, ignore_eos=True))
+        e.generate(Request(other, GREEDY, max_tokens=4, ignore_eos=True))
+        busy = e.submit(Request([(11 * k) % 250 + 3 for k in range(500)], GREEDY, max_tokens=200, ignore_eos=True))
+        chunks = iter(busy)
+        next(chunks)  # the two chats parked to RAM to make room, 500 of the 768 cells taken
+        crowded = e.generate(Request(chat + [300], GREEDY, max_tokens=6, ignore_eos=True))
+        for _ in chunks:
+            pass
+        held: list[tuple[int, ...]] = []
+        e._control(lambda: held.extend(k for k, _ in e._parked.ram._items.items()), 10)
+    assert crowded.timings.cache_tier != "ram" and crowded.tokens == _fresh(tiny_path, chat + [300])
+    assert tuple(chat + first.tokens[:-1]) in held  # the reply's last token was sampled, never decoded

@@ -70,21 +70,32 @@ def _yield_cpu() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-@dataclass
 class Rate:
-    """A throughput (amount per second) over recent measurements: older ones fade, one per observation."""
+    """A throughput (amount per second) over recent measurements: older ones fade, one per observation. The disk
+    tier's writer adds to one while the scheduler reads it: both figures live in one tuple, replaced whole, so a
+    reader never sees one updated and the other not."""
 
-    amount: float = 0.0
-    seconds: float = 0.0
     FADE: ClassVar[float] = 0.8
 
+    def __init__(self, amount: float = 0.0, seconds: float = 0.0) -> None:
+        self._sums = (amount, seconds)
+
+    @property
+    def sums(self) -> tuple[float, float]:
+        """(amount, seconds), faded: what rates.json keeps."""
+        return self._sums
+
+    def reset(self, amount: float = 0.0, seconds: float = 0.0) -> None:
+        self._sums = (amount, seconds)
+
     def add(self, amount: float, seconds: float) -> None:
-        self.amount = self.amount * self.FADE + amount
-        self.seconds = self.seconds * self.FADE + max(seconds, 1e-6)
+        a, s = self._sums
+        self._sums = (a * self.FADE + amount, s * self.FADE + max(seconds, 1e-6))
 
     @property
     def per_s(self) -> float | None:
-        return self.amount / self.seconds if self.seconds else None
+        a, s = self._sums
+        return a / s if s else None
 
 
 class DiskStates:
@@ -220,7 +231,9 @@ class DiskStates:
 
     def clear(self) -> None:
         self.flush()
-        for key in list(self._index):
+        with self._lock:  # a write queued after the flush may be indexing meanwhile
+            keys = list(self._index)
+        for key in keys:
             self._remove(key)
 
     def _write_loop(self) -> None:

@@ -82,7 +82,7 @@ class CopyCost:
         one sample at a time would take dozens of probes while the copies paid."""
         rate: Rate = getattr(self, name)
         if name in self._probing and rate.per_s and nbytes / max(seconds, 1e-6) > 2 * rate.per_s:
-            rate.amount = rate.seconds = 0.0
+            rate.reset()
         self._probing.discard(name)
         rate.add(nbytes, seconds)
 
@@ -130,14 +130,12 @@ class CopyCost:
         if not all(len(p) == 2 and all(math.isfinite(x) for x in p) and p[0] > 0 and p[1] > 0 for p in pairs.values()):
             return
         for name, (amount, seconds) in pairs.items():  # in place: the disk writer holds `wrote`
-            rate = getattr(self, name)
-            rate.amount, rate.seconds = amount, seconds
+            getattr(self, name).reset(amount, seconds)
 
     def save(self, path: Path) -> None:
         """The measured rates (an unmeasured one is left out), written atomically; a folder gone read-only costs
         the rates, not the shutdown."""
-        saved = {name: [getattr(self, name).amount, getattr(self, name).seconds] for name in RATES
-                 if getattr(self, name).seconds > 0}
+        saved = {name: list(getattr(self, name).sums) for name in RATES if getattr(self, name).sums[1] > 0}
         tmp = path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps(saved))
@@ -320,9 +318,9 @@ class Parking:
         return "ram", None, 0
 
     def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
-        """The state to restore: removed from RAM (the slot holds it now), read and checked from disk."""
+        """The state to restore (it stays in its tier until `restored`): from RAM, or read and checked from disk."""
         if tier == "ram":
-            return self.ram.take(key)
+            return self.ram.peek(key)
         if self.disk is None:
             return None
         t0 = time.perf_counter()
@@ -339,9 +337,20 @@ class Parking:
         if not partial:
             self.cost.copied("set", len(blob), time.perf_counter() - t0)
 
-    def refused(self, tier: str, key: tuple[int, ...]) -> None:
-        """llama.cpp would not restore this state: never offer it again."""
-        if tier == "disk" and self.disk is not None:
+    def restored(self, tier: str, key: tuple[int, ...]) -> None:
+        """A slot holds this state now: RAM need not (a disk file stays, for a restart)."""
+        if tier == "ram":
+            self.ram.discard(key)
+
+    def refused(self, tier: str, key: tuple[int, ...], *, crowded: bool) -> None:
+        """llama.cpp would not restore this state. `crowded`: the KV cache may have lacked the cells (busy requests
+        held them), which says nothing about the state: it stays for a later request. Otherwise it is never
+        offered again."""
+        if crowded:
+            return
+        if tier == "ram":
+            self.ram.discard(key)
+        elif self.disk is not None:
             self.disk.drop(key)
 
     def save_all(self, slots: list[Slot], more: Iterable[Slot] = (), budget_s: float = 5.0) -> None:

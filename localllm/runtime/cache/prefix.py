@@ -232,8 +232,13 @@ class StateLRU:
         """
         return longest([(k, p.pos_min, p.hashes) for k, p in self._items.near(prompt)], prompt, n_swa, cap)
 
-    def take(self, key: tuple[int, ...]) -> bytes:
-        return self._drop(key)
+    def peek(self, key: tuple[int, ...]) -> bytes | None:
+        p = self._items.get(key)
+        return p.blob if p is not None else None
+
+    def discard(self, key: tuple[int, ...]) -> None:
+        if self._items.get(key) is not None:
+            self._drop(key)
 
     def size(self, key: tuple[int, ...]) -> int:
         return len(self._items[key].blob)

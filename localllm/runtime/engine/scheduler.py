@@ -503,12 +503,13 @@ class Engine(ThreadSubmit):
             else:
                 try:
                     self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
+                    self._parked.restored(tier, key)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
                     self.ctx.seq_rm(dst.id)
-                    self._parked.refused(tier, key)  # type: ignore[arg-type]
+                    self._parked.refused(tier, key, crowded=self._cells_held() + len(key) > self.ctx.n_ctx)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap, spans)
         else:
             if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
@@ -812,6 +813,10 @@ class Engine(ThreadSubmit):
         if job.request.progress:
             job.stream.put(Chunk(progress=PromptProgress(len(job.prompt), job.cached, len(s.tokens),
                                                          (time.perf_counter() - job.t_admit) * 1000)))
+
+    def _cells_held(self) -> int:
+        """The KV cells the slots' and residents' histories hold, at most (a shared prefix is counted per holder)."""
+        return sum(len(s.tokens) for s in self.slots) + self._residents.tokens
 
     def _free_kv(self, n: int) -> None:
         """KV cache full for n more tokens: drop the histories kept beyond the slots (least recently used first,

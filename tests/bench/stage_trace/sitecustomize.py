@@ -19,12 +19,13 @@ from typing import Any
 # module → (class or None, function, tag): "tag>" when it starts, "tag<" when it returns
 STAGES: dict[str, list[tuple[str | None, str, str]]] = {
     "localllm.server.openai.chat": [(None, "_run", "handler")],
-    "localllm.compose.requests": [("RequestBuilder", "chat", "build")],
+    "localllm.server.llamacpp.completion": [(None, "_generate", "handler")],
+    "localllm.compose.requests": [("RequestBuilder", "chat", "build"), ("RequestBuilder", "prompt", "build")],
     "localllm.compose.templates": [(None, "render_chat_parts", "render")],
     "localllm.runtime.runner.host": [("Runner", "call", "rpc"), ("Runner", "submit", "submit")],
     "localllm.runtime.engine.scheduler": [("Engine", "_admit", "admit"), ("Engine", "_on_token", "token")],
     "localllm.runtime.cache.parking": [("Parking", "best", "best"), ("Parking", "restore", "restore"),
-                                       ("Parking", "clear_idle", "clear_idle")],
+                                       ("Parking", "clear_idle", "clear_idle"), ("Parking", "park", "park")],
     "localllm.runtime.native.llama": [("Context", "decode", "decode")],
 }
 
