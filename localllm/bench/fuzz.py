@@ -153,10 +153,12 @@ class _Fuzzer(Traffic):
             if it.after is not None and 0 <= it.after < i:
                 started[it.after].wait(timeout=120)
             params = GenerationParams(temperature=it.temperature, seed=it.seed)
-            # most say how their next turn opens: the idle engine decodes it ahead (sc_continue's turns use it)
+            # most say how their next turn opens: the idle engine decodes it ahead (sc_continue's turns use it); the
+            # others are raw prompts, whose opening the engine guesses from the turns it saw (engine/openings.py)
+            told = self.rng.random() < 0.7
             req = Request(list(it.tokens), params, max_tokens=it.max_tokens, ignore_eos=it.ignore_eos,
                           context_policy=it.policy, n_keep=it.n_keep, draft_max=it.draft_max,  # type: ignore[arg-type]
-                          next_turn=self.opening() if self.rng.random() < 0.7 else [])
+                          next_turn=self.opening() if told else [], guess_next_turn=not told)
             try:
                 stream = engine.submit(req)
             except Exception as exc:  # noqa: BLE001 - a refused request is reported, not fatal
@@ -272,8 +274,8 @@ class _Fuzzer(Traffic):
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
             for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
-                      "checkpoints", "checkpoint_restores", "ahead_tokens", "kv_full", "steps", "resident_kept",
-                      "resident_served", "resident_dropped"):
+                      "checkpoints", "checkpoint_restores", "ahead_tokens", "openings_observed", "guessed_openings", "kv_full", "steps",
+                      "resident_kept", "resident_served", "resident_dropped"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0

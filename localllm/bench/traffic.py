@@ -70,6 +70,7 @@ class Traffic:
     n_ctx, window, max_gen, probe_tokens, history, long_history, turns, editor and system."""
 
     rng: random.Random
+    rng_more: random.Random  # draws added later, from their own sequence: a seed keeps the traffic it had before
     ref: Any
     slots: int
     n_ctx: int
@@ -89,6 +90,10 @@ class Traffic:
             return int(v) if v is not None else None
         except ValueError:
             return None
+
+    def in_place(self) -> bool:
+        """Whether a next turn continues the newest conversation (one in three)."""
+        return self.rng_more.random() < 1 / 3
 
     def tok(self, text: str, bos: bool = True) -> list[int]:
         return self.ref.tokenize(text, add_special=bos)
@@ -239,6 +244,8 @@ class Traffic:
             if not self.turns:
                 break
             prev = self.turns[self.rng.randrange((len(self.turns) + 1) // 2)]  # older ones: parked by now
+            if self.in_place():  # or the newest, often still in its slot: a raw prompt's opening is learned there
+                prev = self.turns[-1]
             nxt = prev + self.question()
             if self.rng.random() < 0.5:
                 items.append(self.probe(nxt, "continue"))

@@ -13,6 +13,8 @@ ratios localllm / other (below 1 is better for times, above 1 for rates).
   tool result; replies of 24 tokens. Total wall, and TTFT p50 of turns 2-8;
 - revisits: 8 chats, each with its own ~830-token system prompt, on 4 slots: every chat's first turn in
   order, then every chat's second turn in the same order. TTFT p50 of the second turns;
+- revisits, a user's pause: the same with REVISIT_PAUSE s before each request (a client with its own markup,
+  as a chat's user reads and types);
 - revisits, chat: the same over each server's /v1/chat/completions (messages, the template of the model on both:
   its GGUF's, else the catalog's fallback, which llama-server is given by name), a user's pause (REVISIT_PAUSE s)
   before each request, replies ending on their own (EOS not ignored) or at 16 tokens;
@@ -190,13 +192,21 @@ async def agent_loop(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
                    [x.text for x in replies])
 
 
-async def revisits(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
+async def revisits(srv: Server, t: Texts, tag: str, r: int, pause: float = 0.0,
+                   key: str = "revisit_ttft_p50_ms") -> Outcome:
+    async def turn(c: httpx.AsyncClient, prompt: str) -> Reply:
+        await asyncio.sleep(pause)
+        return await ask(c, srv, prompt, REVISIT_REPLY)
+
     async with http_client(1) as c:
-        first = [await ask(c, srv, revisit_prompt(t, tag, r, i), REVISIT_REPLY) for i in range(REVISIT_CHATS)]
-        again = [await ask(c, srv, revisit_prompt(t, tag, r, i, first[i].text), REVISIT_REPLY)
-                 for i in range(REVISIT_CHATS)]
-    return Outcome({"revisit_ttft_p50_ms": statistics.median(x.ttft_ms for x in again)},
-                   [x.text for x in first + again])
+        first = [await turn(c, revisit_prompt(t, tag, r, i)) for i in range(REVISIT_CHATS)]
+        again = [await turn(c, revisit_prompt(t, tag, r, i, first[i].text)) for i in range(REVISIT_CHATS)]
+    return Outcome({key: statistics.median(x.ttft_ms for x in again)}, [x.text for x in first + again])
+
+
+async def paused_revisits(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
+    """The revisits with a user's pause before each request, as over chat: the client's own markup, no template."""
+    return await revisits(srv, t, tag, r, REVISIT_PAUSE, "paused_revisit_ttft_p50_ms")
 
 
 async def chat_revisits(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
@@ -230,6 +240,7 @@ async def trimmed(srv: Server, t: Texts, tag: str, r: int) -> Outcome:
 
 Job = Callable[[Server, Texts, str, int], Coroutine[None, None, Outcome]]
 WORKLOADS: dict[str, tuple[str, Job]] = {"agent": ("agent loop", agent_loop), "revisits": ("revisits", revisits),
+                                         "paused": ("revisits, a user's pause", paused_revisits),
                                          "chat": ("revisits, chat", chat_revisits), "code": ("code edit", code_edit),
                                          "trim": ("trimmed reply", trimmed)}
 
@@ -416,6 +427,7 @@ class Row:
 ROWS = (Row("agent_wall_s", "agent loop: total wall, 8 turns (s)", ".1f", True, 1.03),
         Row("agent_ttft_p50_ms", "agent loop: TTFT p50, turns 2-8 (ms)", ".0f", True, 1.03),
         Row("revisit_ttft_p50_ms", "revisits: TTFT p50, 8 chats on 4 slots (ms)", ".0f", True, 0.4),
+        Row("paused_revisit_ttft_p50_ms", "revisits: TTFT p50, a user's pause (ms)", ".0f", True, 0.4),
         Row("chat_revisit_ttft_p50_ms", "revisits over chat: TTFT p50, a user's pause (ms)", ".0f", True, 0.4),
         Row("chat_revisit_prompt_tokens", "revisits over chat: prompt tokens (p50)", ".0f", True),
         Row("code_decode_tps", "code edit: decode tok/s", ".1f", False, 1.5),

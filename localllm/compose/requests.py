@@ -245,6 +245,7 @@ class RequestBuilder:
             text = self._pieces(text)
         req = self._request(list(text), options, stops=[], n_keep=0, policy=policy)
         req.media = images
+        req.guess_next_turn = True  # its own markup, if any: how a next prompt goes on is learned, not known
         return Plan(req)
 
     def infill(self, prefix: str, suffix: str, options: Options, *, extra: Iterable[tuple[str, str]] = (),

@@ -142,6 +142,9 @@ class Request:
     # end-of-generation token, and the next user turn's opening). An idle engine decodes them into the slot, after
     # the reply's last token where a length limit left it undecoded, so the next turn prefills only its message
     next_turn: list[int] = field(default_factory=list)
+    # a raw prompt whose client writes its own chat markup, so no next_turn is known: the engine may open the next
+    # turn with what earlier prompts put after a reply (engine/openings.py)
+    guess_next_turn: bool = False
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
 import cleanproc
@@ -19,10 +21,19 @@ def tiny_installed(tiny_path: Path, localllm_home: Path) -> str:
     return TINY
 
 
-def _no_children() -> bool:
-    """No process started by this test is left (the session's clean launcher, cleanproc.py, is not one)."""
-    return not [p for p in psutil.Process().children(recursive=True) if p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE and p.pid != cleanproc.launcher_pid()]
+def _no_children(wait: float = 10.0) -> bool:
+    """No process started by this test is left (the session's clean launcher, cleanproc.py, is not one), once the
+    server's runner, which exits after the server that stopped it, has had `wait` seconds to go."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):  # gone since it was listed
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.pid != cleanproc.launcher_pid():
+                    left.append(p)
+        if not left or time.monotonic() > deadline:
+            return not left
+        time.sleep(0.1)
 
 
 def test_run_and_table(tiny_installed: str, capsys: pytest.CaptureFixture[str]) -> None:

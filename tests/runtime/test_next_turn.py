@@ -206,3 +206,67 @@ def test_a_next_turn_outside_the_vocabulary_is_refused(tiny: Path) -> None:
 
     with Engine(tiny, n_ctx=256, slots=1, threads=2) as e, pytest.raises(InvalidInput, match="next_turn"):
         e.submit(Request([1, 20, 21], GREEDY, max_tokens=2, next_turn=[5, 10**6]))
+
+
+# ---- raw prompts: the opening learned (engine/openings.py) ------------------------------------------
+def test_openings_agree_on_markup_not_on_the_message() -> None:
+    """Two continuations after a reply share "<end>\\n<user>\\nTool result ": the guess stops after the line break,
+    where the markup ends (without one, it is all they share); a continuation that drops the reply's last token
+    teaches nothing."""
+    from localllm.runtime.engine.openings import Openings
+
+    text = {1: b"<end>", 2: b"\n", 3: b"<user>", 4: b"Tool", 5: b" result", 6: b" 2", 7: b" 3", 9: b"x"}
+    control = {1, 3}
+    ops = Openings(lambda t, special: b"" if t in control and not special else text[t])
+    ops.observe(9, [9, 1, 2, 3, 2, 4, 5, 6])
+    assert ops.guess() == []  # one continuation is no pattern
+    ops.observe(8, [9, 1, 2, 3, 2, 4, 5, 7])  # the reply's last token left out
+    assert ops.guess() == []
+    ops.observe(9, [9, 1, 2, 3, 2, 4, 5, 7])
+    assert ops.guess() == [1, 2, 3, 2]
+    ops.observe(9, [9, 1, 2, 3, 4])  # markup that ends on a control token
+    assert ops.guess() == [1, 2, 3]
+    ops.observe(9, [9, 4, 5, 6])
+    ops.observe(9, [9, 4, 5, 7])  # no line break, no control token: all that they share
+    assert ops.guess() == [4, 5]
+
+
+def test_a_raw_prompts_next_turn_is_opened_with_what_earlier_turns_put_after_a_reply(tiny: Path) -> None:
+    """A client that writes its own markup (no next_turn): after two turns that put the same opening after the reply,
+    the idle engine decodes it after the third reply, and the fourth turn prefills only its message, with the
+    reference's tokens. Before, every turn prefilled the opening with its message. A request that is not raw text
+    (a chat whose template gives no opening) gets no guess."""
+    glue = [2, 13, 40, 41, 13]  # the tiny vocabulary's end of generation, "\n", two bytes, "\n"
+    history = _prompt(4)
+    with Engine(tiny, n_ctx=2048, slots=2, threads=2) as e:
+        for k in range(3):
+            r = e.generate(Request(history, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+            history = history + r.tokens + glue + [300 + k, 310 + k]
+        _ahead(e, 1 + len(glue))  # the reply's last token, then the opening
+        fourth = e.generate(Request(history, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+        assert fourth.usage.cached_tokens == len(history) - 2 and e.stats()["guessed_openings"] == 2
+        e.generate(Request(history + fourth.tokens + glue + [9], GREEDY, max_tokens=6, ignore_eos=True))
+        time.sleep(0.3)  # the fourth's opening was dropped (the next request came first); the fifth is not raw
+        assert e.stats()["guessed_openings"] == 2 and e.stats()["ahead_tokens"] == 1 + len(glue)
+    _check(tiny, history, fourth.tokens, 6)
+
+
+@pytest.mark.parametrize("swa_full", [True, False], ids=["full-size", "window"])
+def test_a_raw_prompt_that_does_not_follow_the_guessed_opening_answers_as_the_reference(tmp_path: Path,
+                                                                                        swa_full: bool) -> None:
+    """A sliding-window model (SWA layers at full size, or at the window's): the guess decoded ahead moves the window,
+    and a next prompt that leaves it after two tokens reuses what the memory still serves, with the reference's
+    tokens."""
+    path = make_tiny_gemma3_gguf(tmp_path / "swa.gguf")
+    kw = {"n_ctx": 2048, "threads": 2, "n_batch": 128, "n_ubatch": 32, "swa_full": swa_full}
+    glue, history = [2, 13, 40, 41, 13], _prompt(6, 150)
+    with Engine(path, **kw, slots=1) as e:
+        for k in range(3):
+            r = e.generate(Request(history, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+            history = history + r.tokens + glue + [300 + k, 310 + k]
+        _ahead(e, 1 + len(glue))
+        history = history[:-len(glue) - 2] + glue[:2] + [50, 51, 302, 312]  # the opening left after two tokens
+        last = e.generate(Request(history, GREEDY, max_tokens=6, ignore_eos=True))
+        assert e.stats()["guessed_openings"] == 1
+        assert last.usage.cached_tokens == len(history) - 4  # the window's spare cells still held the old positions
+    _check(path, history, last.tokens, 6)

@@ -29,6 +29,7 @@ from localllm.runtime.cache.resident import Residents, sharers
 from localllm.runtime.cache.reuse import Moves, apply_moves, plan_moves
 from localllm.runtime.engine import context_shift
 from localllm.runtime.engine import media as prompt_media
+from localllm.runtime.engine.openings import Openings
 from localllm.runtime.engine.prefill_split import (
     CHECKPOINT_TAIL,
     checkpoint_cuts,
@@ -128,6 +129,7 @@ class Engine(ThreadSubmit):
         # idle histories kept in the KV cache under spare sequence ids where parking did not take them (a GPU, where
         # copying costs more than computing again; a full RAM tier): not where cells are a window's or a state
         self._residents = Residents(self.ctx, slots + (scratch is not None), enabled=resident and not self._checkpointing)
+        self._openings = Openings(self.model.token_to_piece)  # raw prompts' next turns, learned
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
@@ -144,7 +146,7 @@ class Engine(ThreadSubmit):
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
-            "shifted_chunks": 0, "ahead_tokens": 0}
+            "shifted_chunks": 0, "ahead_tokens": 0, "guessed_openings": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         self.projector: Projector | None = None  # when the model reads images
@@ -264,6 +266,7 @@ class Engine(ThreadSubmit):
                  for s in self.slots]
         return {"slots": slots, "waiting": self.waiting(), "n_ctx": self.n_ctx,
                 "n_batch": self.n_batch, **self._counters, **self._parked.stats(), **self._residents.stats(),
+                "openings_observed": self._openings.observed,
                 "speculative": self._drafter.name if self._drafter else None}
 
     def reset_cache(self, timeout: float = 30.0) -> None:
@@ -464,6 +467,9 @@ class Engine(ThreadSubmit):
             return moves[s.id][0]
 
         dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
+        if 0 <= dst.reply_end < len(prompt) and prompt[:dst.reply_end] == dst.tokens[:dst.reply_end]:
+            self._openings.observe(dst.reply_last, prompt[dst.reply_end:])  # what a prompt puts after a reply
+        dst.reply_end = -1
         n = self._reusable(dst, prompt, cap, spans)
         # another slot's prefix is copied only where its KV still holds it (its checkpoints are its own)
         src = max((s for s in self.slots if s.job), key=lambda s: self._reusable(s, prompt, cap, spans, False),
@@ -856,7 +862,7 @@ class Engine(ThreadSubmit):
             job.timings.prompt_ms = (now - job.t_admit) * 1000
         req = job.request
         if self.model.is_eog(tok) and not req.ignore_eos:
-            s.ahead = self._next_turn(s, job, [])
+            s.ahead = self._next_turn(s, job, tok, [])
             self._finish(s, "stop")
             return
         job.out_tokens.append(tok)
@@ -868,21 +874,26 @@ class Engine(ThreadSubmit):
         if hit:
             self._finish(s, "stop", text=text, tokens=[tok])
         elif req.max_tokens is not None and len(job.out_tokens) >= req.max_tokens:
-            s.ahead = self._next_turn(s, job, [tok])
+            s.ahead = self._next_turn(s, job, tok, [tok])
             self._finish(s, "length", text=text, tokens=[tok])
         else:
             job.next_tokens = [tok]
             job.stream.put(job.chunk(text, [tok]))
 
-    @staticmethod
-    def _next_turn(s: Slot, job: Job, undecoded: list[int]) -> list[int]:
-        """What the idle engine decodes after a reply that ended on its own or at its length limit: the reply's last
-        token where it was sampled but not decoded, then the request's next_turn. Nothing where the history is not
-        the prompt and the reply (a shift, drafts accepted past the end)."""
-        nt = job.request.next_turn
-        if not nt or s.stale or len(s.tokens) != len(job.prompt) + len(job.out_tokens) - len(undecoded):
+    def _next_turn(self, s: Slot, job: Job, last: int, undecoded: list[int]) -> list[int]:
+        """What the idle engine decodes after a reply that ended on its own or at its length limit (`last`, sampled
+        there): the reply's last token where it was not decoded, then the request's next_turn, or for a raw prompt
+        the opening guessed from earlier prompts (Openings). Nothing where the history is not the prompt and the reply
+        (a shift, drafts accepted past the end)."""
+        if s.stale or len(s.tokens) != len(job.prompt) + len(job.out_tokens) - len(undecoded):
             return []
-        return [*undecoded, *nt]
+        s.reply_end, s.reply_last = len(s.tokens), last
+        req = job.request
+        nt = req.next_turn or (self._openings.guess() if req.guess_next_turn and not req.editor else [])
+        if nt and not req.next_turn:
+            self._counters["guessed_openings"] += 1
+            return [last, *nt]  # a raw prompt's next one repeats the end of generation too (observe)
+        return [*undecoded, *nt] if nt else []
 
     def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
                 error: Exception | None = None) -> None:

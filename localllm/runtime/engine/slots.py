@@ -172,6 +172,10 @@ class Slot:
     parked_ram: bool = False  # ... and whether the RAM tier took it then
     stale: bool = False  # its memory holds tokens the history no longer lists (a recurrent state after a shift)
     ahead: list[int] = field(default_factory=list)  # to decode after tokens while the engine idles (Request.next_turn)
+    # len(tokens) where its last reply ended on its own or at its length limit, and the token sampled there but never
+    # decoded: a next prompt that continues it shows what follows a reply (engine/openings.py); -1 where none
+    reply_end: int = -1
+    reply_last: int = -1
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
@@ -179,6 +183,8 @@ class Slot:
         self.checkpoints = [c for c in self.checkpoints if c.n <= n]
         self.parked_at = -1
         self.ahead = []
+        if n < self.reply_end:
+            self.reply_end = -1
 
     def reset(self, tokens: list[int] | None = None) -> None:
         """A new history (the KV cache holds `tokens` for this sequence now, or nothing)."""
@@ -187,6 +193,7 @@ class Slot:
         self.parked_at = -1
         self.stale = False
         self.ahead = []
+        self.reply_end = -1
 
     def extend(self, tokens: list[int]) -> None:
         """The KV cache holds `tokens` after the history now (decoded while no request ran)."""

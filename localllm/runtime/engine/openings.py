@@ -1,0 +1,48 @@
+"""Next-turn openings guessed for raw prompts: a client that writes its own chat markup (a ChatML text over
+/completion, a role-play front end, `run --raw`) sends no template, so the engine cannot know what its next prompt
+puts after a reply. It learns it from the prompts that continued earlier replies in place: what two of them put
+there alike, cut after its last line break or control token (the markup ends there; what follows is a message, as
+"Tool result " in an agent's turns), is decoded ahead while the engine idles, as a chat's Request.next_turn is. A
+guess the next prompt does not follow costs only that idle decode: the reuse stops where the prompt differs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+MAX_OPENING = 32  # tokens: longer, what two prompts share after a reply is more than markup
+
+
+class Openings:
+    """The continuations seen after replies, and the opening they agree on."""
+
+    def __init__(self, piece: Callable[[int, bool], bytes]) -> None:
+        self._piece = piece  # Model.token_to_piece: (token, special) → bytes
+        self._seen: list[tuple[int, ...]] = []  # the last two, newest last
+        self._ends: dict[int, bool] = {}  # token → whether markup can end with it
+        self._guess: list[int] = []
+        self.observed = 0
+
+    def observe(self, last: int, tail: Sequence[int]) -> None:
+        """A prompt continued a reply's history in place: `tail` is what it put after the reply's decoded tokens,
+        starting with the reply's `last` token (sampled, never decoded: the end of generation, or the token a length
+        limit stopped at). A prompt that left that token out (a client that trims the reply) teaches nothing."""
+        if len(tail) < 2 or tail[0] != last:
+            return
+        self._seen = [*self._seen[-1:], tuple(tail[1:1 + MAX_OPENING])]
+        self.observed += 1
+        if len(self._seen) == 2:
+            a, b = self._seen
+            n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            ends = [i + 1 for i in range(n) if self._ends_markup(a[i])]
+            self._guess = list(a[:ends[-1] if ends else n])
+
+    def guess(self) -> list[int]:
+        """The opening the last two continuations agree on (empty until they do)."""
+        return list(self._guess)
+
+    def _ends_markup(self, token: int) -> bool:
+        if token not in self._ends:
+            shown = self._piece(token, True)
+            # a control token prints nothing as text; a line break ends a header ("<|im_start|>user\n")
+            self._ends[token] = shown.endswith(b"\n") or (bool(shown) and not self._piece(token, False))
+        return self._ends[token]
