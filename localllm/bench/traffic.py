@@ -92,8 +92,8 @@ class Traffic:
             return None
 
     def in_place(self) -> bool:
-        """Whether a next turn continues the newest conversation (one in three)."""
-        return self.rng_more.random() < 1 / 3
+        """Whether a next turn continues the newest conversation (one in two)."""
+        return self.rng_more.random() < 1 / 2
 
     def tok(self, text: str, bos: bool = True) -> list[int]:
         return self.ref.tokenize(text, add_special=bos)

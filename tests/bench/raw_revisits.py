@@ -6,7 +6,7 @@ runs the bench's agent loop once, as in `localllm bench --workloads`: its turns 
 client puts after a reply (engine/openings.py). Prints the TTFT p50 of the revisits per round (and the prompt
 tokens each revisit computed, p50), and the ratios.
 
-    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--model gemma3:270m]
+    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--pause 0.5]
 
 --before: a checkout of an earlier localllm (a git worktree), run as a third side on its PYTHONPATH. Run this
 from outside the checkout (cd /tmp): `python -m` puts the working directory first on the path.
@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--model", default="gemma3:270m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pause", type=float, default=w.REVISIT_PAUSE, help="seconds before each request (0: the "
+                    "workload bench's \"revisits\" row)")
     a = ap.parse_args()
     env = side_env(False, None)
     nonce = f"{time.time_ns() % 10**12:x}"
@@ -70,8 +72,8 @@ def main() -> None:
         for r in range(a.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                out = asyncio.run(w.paused_revisits(servers[name], texts, f"{nonce}.{r}", r))
-                got[name].append(out.metrics["paused_revisit_ttft_p50_ms"])
+                out = asyncio.run(w.revisits(servers[name], texts, f"{nonce}.{r}", r, a.pause, "ttft"))
+                got[name].append(out.metrics["ttft"])
                 computed[name].append(statistics.median(rows[-w.REVISIT_CHATS:]))
                 replies[name].append(out.texts)
             print(f"round {r}: " + ", ".join(f"{n} {got[n][-1]:.0f} ms ({computed[n][-1]:.0f} prompt tokens computed)"

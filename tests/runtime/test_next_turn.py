@@ -270,3 +270,28 @@ def test_a_raw_prompt_that_does_not_follow_the_guessed_opening_answers_as_the_re
         assert e.stats()["guessed_openings"] == 1
         assert last.usage.cached_tokens == len(history) - 4  # the window's spare cells still held the old positions
     _check(path, history, last.tokens, 6)
+
+
+def test_raw_chats_revisited_after_parking_prefill_only_their_messages(tiny: Path) -> None:
+    """The workload bench's paused revisits in miniature: with the opening learned from two in-place turns, three raw
+    chats on one slot each get it decoded ahead and parked with it; each revisit, restored from RAM, computes only its
+    message, and answers as the reference does."""
+    glue = [2, 13, 40, 41, 13]
+    with Engine(tiny, n_ctx=4096, slots=1, threads=2, min_park_tokens=16) as e:
+        history = _prompt(7)
+        for k in range(3):  # a conversation in place teaches the opening (two continuations)
+            r = e.generate(Request(history, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+            history = history + r.tokens + glue + [300 + k]
+        chats = [_prompt(10 + i) for i in range(3)]
+        firsts = []
+        for c in chats:
+            firsts.append(e.generate(Request(c, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True)))
+            time.sleep(0.5)  # the user reads: the opening is decoded, the history parked with it
+        revisits = []
+        for c, f in zip(chats, firsts, strict=True):
+            prompt = c + f.tokens + glue + [320, 321, 322]
+            revisits.append((prompt, e.generate(Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))))
+        assert e.stats()["guessed_openings"] >= 3
+    for prompt, got in revisits:
+        assert got.timings.cache_tier == "ram" and got.usage.cached_tokens == len(prompt) - 3
+        _check(tiny, prompt, got.tokens, 6)

@@ -515,7 +515,8 @@ class Engine(ThreadSubmit):
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
                     self.ctx.seq_rm(dst.id)
-                    self._parked.refused(tier, key, crowded=self._cells_held() + len(key) > self.ctx.n_ctx)  # type: ignore[arg-type]
+                    crowded = self._cells_held() + len(key) > self.ctx.n_ctx  # type: ignore[arg-type]
+                    self._parked.refused(tier, key, crowded=crowded)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap, spans)
         else:
             if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
