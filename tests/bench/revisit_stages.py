@@ -33,6 +33,8 @@ ROWS = (("client to the handler", "send", "handler>"), ("lease the model", "hand
         ("  of build: tokenize round trips", "rpc", None), ("submit to the runner", "build<", "admit>"),
         ("admission", "admit>", "admit<"), ("  of admission: find the parked state", "best", None),
         ("  of admission: park idle slots", "clear_idle", None), ("  of admission: park a slot", "park", None),
+        ("    of parking: state copies out", "get", None), ("    of parking: checkpoints", "ckpts", None),
+        ("    of parking: disk queue", "diskput", None),
         ("  of admission: restore it", "restore", None),
         ("to the decode", "admit<", "decode>"), ("prompt decode", "decode>", "decode<"),
         ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),

@@ -25,8 +25,10 @@ STAGES: dict[str, list[tuple[str | None, str, str]]] = {
     "localllm.runtime.runner.host": [("Runner", "call", "rpc"), ("Runner", "submit", "submit")],
     "localllm.runtime.engine.scheduler": [("Engine", "_admit", "admit"), ("Engine", "_on_token", "token")],
     "localllm.runtime.cache.parking": [("Parking", "best", "best"), ("Parking", "restore", "restore"),
-                                       ("Parking", "clear_idle", "clear_idle"), ("Parking", "park", "park")],
-    "localllm.runtime.native.llama": [("Context", "decode", "decode")],
+                                       ("Parking", "clear_idle", "clear_idle"), ("Parking", "park", "park"),
+                                       ("Parking", "_checkpoints", "ckpts")],
+    "localllm.runtime.cache.disk": [("DiskStates", "put", "diskput")],
+    "localllm.runtime.native.llama": [("Context", "decode", "decode"), ("Context", "state_seq_get", "get")],
 }
 
 
