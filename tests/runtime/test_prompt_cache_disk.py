@@ -372,6 +372,7 @@ def test_a_state_that_finds_no_room_in_the_kv_cache_stays_on_disk(tiny_path: Pat
         for _ in chunks:  # the busy request ends (stopped where the cache was full, or at its length)
             pass
         assert crowded.timings.cache_tier != "disk" and e.stats()["restored"] == 0
+        assert e.stats()["restores_refused"] == 1  # tried, and refused for want of cells
         assert files <= set((tmp_path / "cache").rglob("*.state"))
     with Engine(tiny_path, n_ctx=768, slots=2, threads=2, min_park_tokens=32, disk_cache=disk) as e:
         again = e.generate(Request(chat + [302], GREEDY, max_tokens=6, ignore_eos=True))
@@ -392,6 +393,7 @@ def test_a_state_parked_in_ram_that_finds_no_room_stays_in_ram(tiny_path: Path) 
         crowded = e.generate(Request(chat + [300], GREEDY, max_tokens=6, ignore_eos=True))
         for _ in chunks:
             pass
+        assert e.stats()["restores_refused"] == 1  # tried, and refused for want of cells
         held: list[tuple[int, ...]] = []
         e._control(lambda: held.extend(k for k, _ in e._parked.ram._items.items()), 10)
     assert crowded.timings.cache_tier != "ram" and crowded.tokens == _fresh(tiny_path, chat + [300])

@@ -145,6 +145,7 @@ class CopyCost:
 
 
 RATES = ("prefill", "get", "set", "read", "wrote")  # CopyCost's Rate fields
+MAX_CROWDED = 2  # restores a state may fail in a full KV cache and stay (an estimate: a state refused otherwise goes)
 RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
 
 
@@ -164,6 +165,8 @@ class Parking:
         # the disk tier's writer times its writes into the same Rate
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
+        self._taken_pos_min = 0  # of the state `take` last removed from RAM
+        self._crowded: dict[tuple[int, ...], int] = {}  # the state last refused in a crowded cache, and how often
         if disk is not None:
             self.cost.load(disk.dir / RATES_FILE)
 
@@ -318,9 +321,11 @@ class Parking:
         return "ram", None, 0
 
     def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
-        """The state to restore (it stays in its tier until `restored`): from RAM, or read and checked from disk."""
+        """The state to restore: removed from RAM (the slot holds it now; `refused` puts it back where the cache
+        was only crowded), read and checked from disk."""
         if tier == "ram":
-            return self.ram.peek(key)
+            blob, self._taken_pos_min = self.ram.take(key)
+            return blob
         if self.disk is None:
             return None
         t0 = time.perf_counter()
@@ -337,20 +342,20 @@ class Parking:
         if not partial:
             self.cost.copied("set", len(blob), time.perf_counter() - t0)
 
-    def restored(self, tier: str, key: tuple[int, ...]) -> None:
-        """A slot holds this state now: RAM need not (a disk file stays, for a restart)."""
-        if tier == "ram":
-            self.ram.discard(key)
-
-    def refused(self, tier: str, key: tuple[int, ...], *, crowded: bool) -> None:
-        """llama.cpp would not restore this state. `crowded`: the KV cache may have lacked the cells (busy requests
-        held them), which says nothing about the state: it stays for a later request. Otherwise it is never
-        offered again."""
+    def refused(self, tier: str, key: tuple[int, ...], blob: bytes, *, crowded: bool) -> None:
+        """llama.cpp would not restore this state (`blob`, from `take`). `crowded`: the KV cache may have lacked the
+        cells (busy requests held them), which says nothing about the state: it stays for a later request (back in
+        RAM; a disk file stays where it is), at most MAX_CROWDED times in a row. Otherwise it is never offered
+        again."""
         if crowded:
-            return
-        if tier == "ram":
-            self.ram.discard(key)
-        elif self.disk is not None:
+            n = self._crowded.get(key, 0) + 1
+            self._crowded = {key: n}  # the one state refused last: another refusal starts a new count
+            if n <= MAX_CROWDED:
+                if tier == "ram":
+                    self.ram.put(key, blob, self._taken_pos_min)
+                return
+        self._crowded.pop(key, None)
+        if tier == "disk" and self.disk is not None:
             self.disk.drop(key)
 
     def save_all(self, slots: list[Slot], more: Iterable[Slot] = (), budget_s: float = 5.0) -> None:

@@ -232,13 +232,10 @@ class StateLRU:
         """
         return longest([(k, p.pos_min, p.hashes) for k, p in self._items.near(prompt)], prompt, n_swa, cap)
 
-    def peek(self, key: tuple[int, ...]) -> bytes | None:
-        p = self._items.get(key)
-        return p.blob if p is not None else None
-
-    def discard(self, key: tuple[int, ...]) -> None:
-        if self._items.get(key) is not None:
-            self._drop(key)
+    def take(self, key: tuple[int, ...]) -> tuple[bytes, int]:
+        """The state of `key` and its pos_min, forgotten (the caller restores it, or puts it back)."""
+        pos_min = self._items[key].pos_min
+        return self._drop(key), pos_min
 
     def size(self, key: tuple[int, ...]) -> int:
         return len(self._items[key].blob)

@@ -20,6 +20,7 @@ class Openings:
         self._seen: list[tuple[int, ...]] = []  # the last two, newest last
         self._ends: dict[int, bool] = {}  # token → whether markup can end with it
         self._guess: list[int] = []
+        self._marked = False  # the guess ends after a line break or a control token
         self.observed = 0
 
     def observe(self, last: int, tail: Sequence[int]) -> None:
@@ -34,11 +35,14 @@ class Openings:
             a, b = self._seen
             n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             ends = [i + 1 for i in range(n) if self._ends_markup(a[i])]
-            self._guess = list(a[:ends[-1] if ends else n])
+            self._guess, self._marked = list(a[:ends[-1] if ends else n]), bool(ends)
 
-    def guess(self) -> list[int]:
-        """The opening the last two continuations agree on (empty until they do)."""
-        return list(self._guess)
+    def guess(self, strict: bool = False) -> list[int]:
+        """The opening the last two continuations agree on (empty until they do). `strict`: only one that ends where
+        markup ends: a sliding-window model parks a history as its last window, and a recurrent one as its last
+        state, so there a wrong guess costs more than its idle decode (a revisit that leaves it computes the reply
+        again once the history was parked)."""
+        return list(self._guess) if self._marked or not strict else []
 
     def _ends_markup(self, token: int) -> bool:
         if token not in self._ends:

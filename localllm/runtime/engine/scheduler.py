@@ -146,7 +146,8 @@ class Engine(ThreadSubmit):
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
-            "shifted_chunks": 0, "ahead_tokens": 0, "guessed_openings": 0}
+            "shifted_chunks": 0, "ahead_tokens": 0, "guessed_openings": 0,
+            "restores_refused": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
         self.projector: Projector | None = None  # when the model reads images
@@ -467,7 +468,7 @@ class Engine(ThreadSubmit):
             return moves[s.id][0]
 
         dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
-        if 0 <= dst.reply_end < len(prompt) and prompt[:dst.reply_end] == dst.tokens[:dst.reply_end]:
+        if 0 <= dst.reply_end < len(prompt) and common_prefix(prompt, dst.tokens) >= dst.reply_end:
             self._openings.observe(dst.reply_last, prompt[dst.reply_end:])  # what a prompt puts after a reply
         dst.reply_end = -1
         n = self._reusable(dst, prompt, cap, spans)
@@ -509,14 +510,14 @@ class Engine(ThreadSubmit):
             else:
                 try:
                     self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
-                    self._parked.restored(tier, key)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
                     self._counters["restored"] += 1
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
                     self.ctx.seq_rm(dst.id)
                     crowded = self._cells_held() + len(key) > self.ctx.n_ctx  # type: ignore[arg-type]
-                    self._parked.refused(tier, key, crowded=crowded)  # type: ignore[arg-type]
+                    self._counters["restores_refused"] += 1
+                    self._parked.refused(tier, key, blob, crowded=crowded)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap, spans)
         else:
             if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
@@ -890,7 +891,8 @@ class Engine(ThreadSubmit):
             return []
         s.reply_end, s.reply_last = len(s.tokens), last
         req = job.request
-        nt = req.next_turn or (self._openings.guess() if req.guess_next_turn and not req.editor else [])
+        nt = req.next_turn or (self._openings.guess(strict=self._n_swa != 0) if req.guess_next_turn and not req.editor
+                               else [])
         if nt and not req.next_turn:
             self._counters["guessed_openings"] += 1
             return [last, *nt]  # a raw prompt's next one repeats the end of generation too (observe)
