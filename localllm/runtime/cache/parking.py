@@ -166,7 +166,7 @@ class Parking:
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
         self._taken_pos_min = 0  # of the state `take` last removed from RAM
-        self._crowded: dict[tuple[int, ...], int] = {}  # the state last refused in a crowded cache, and how often
+        self._crowded: tuple[tuple[int, ...], int] = ((), 0)  # the state last refused in a crowded cache, how often
         if disk is not None:
             self.cost.load(disk.dir / RATES_FILE)
 
@@ -348,13 +348,15 @@ class Parking:
         RAM; a disk file stays where it is), at most MAX_CROWDED times in a row. Otherwise it is never offered
         again."""
         if crowded:
-            n = self._crowded.get(key, 0) + 1
-            self._crowded = {key: n}  # the one state refused last: another refusal starts a new count
+            # the state refused last, and how often in a row: another state's refusal starts a new count
+            n = self._crowded[1] + 1 if self._crowded[0] == key else 1
+            self._crowded = (key, n)
             if n <= MAX_CROWDED:
                 if tier == "ram":
                     self.ram.put(key, blob, self._taken_pos_min)
                 return
-        self._crowded.pop(key, None)
+        if self._crowded[0] == key:
+            self._crowded = ((), 0)
         if tier == "disk" and self.disk is not None:
             self.disk.drop(key)
 

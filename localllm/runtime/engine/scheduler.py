@@ -891,12 +891,13 @@ class Engine(ThreadSubmit):
             return []
         s.reply_end, s.reply_last = len(s.tokens), last
         req = job.request
-        nt = req.next_turn or (self._openings.guess(strict=self._n_swa != 0) if req.guess_next_turn and not req.editor
-                               else [])
-        if nt and not req.next_turn:
-            self._counters["guessed_openings"] += 1
-            return [last, *nt]  # a raw prompt's next one repeats the end of generation too (observe)
-        return [*undecoded, *nt] if nt else []
+        if req.next_turn:  # the template's: it starts with the end of generation, where a reply ended on its own
+            return [*undecoded, *req.next_turn]
+        guess = self._openings.guess(strict=self._n_swa != 0) if req.guess_next_turn and not req.editor else []
+        if not guess:
+            return []
+        self._counters["guessed_openings"] += 1
+        return [last, *guess]  # learned after the sampled token, whichever way the reply ended (Openings.observe)
 
     def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
                 error: Exception | None = None) -> None:
