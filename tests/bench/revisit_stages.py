@@ -96,6 +96,8 @@ def main() -> None:
     with localllm_server(threads=a.threads, ctx=16384, slots=4, extra_env=env) as (url, _):
         srv = Server(url, a.model)
         asyncio.run(w._warm({"localllm": srv}))
+        if a.completion:  # as the workload bench runs it first: its turns teach the server a raw chat's next turn
+            asyncio.run(w.agent_loop(srv, texts, f"{nonce}.agent", 0))
         revisits: list[dict[str, Any]] = []
         for r in range(a.rounds):
             start = trace.stat().st_size
