@@ -346,3 +346,28 @@ def test_raw_chats_revisited_after_parking_prefill_only_their_messages(tiny: Pat
     for prompt, got in revisits:
         assert got.timings.cache_tier == "ram" and got.usage.cached_tokens == len(prompt) - 3
         _check(tiny, prompt, got.tokens, 6)
+
+
+def test_raw_chats_restored_where_their_replies_ended_teach_the_opening(tiny: Path) -> None:
+    """Raw chats on one slot, each revisited after the others took the slot (no conversation ever continues in place):
+    a history parked where its reply ended is still an observation once restored, so after two revisits the third
+    chat's reply gets the opening decoded ahead, and its revisit computes only its message. Before, histories restored
+    from RAM taught nothing: no guess, every revisit prefilled the opening too."""
+    glue = [2, 13, 40, 41, 13]
+    with Engine(tiny, n_ctx=4096, slots=1, threads=2, min_park_tokens=16) as e:
+        chats = [_prompt(20 + i) for i in range(3)]
+        firsts = [e.generate(Request(c, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True)) for c in chats]
+        turns = [c + f.tokens + glue + [330 + i, 331] for i, (c, f) in enumerate(zip(chats, firsts, strict=True))]
+        for t in turns[:2]:
+            e.generate(Request(t, GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+        assert e.stats()["openings_observed"] == 2 and e._openings.guess() == glue
+        third = e.generate(Request(turns[2], GREEDY, max_tokens=6, ignore_eos=True, guess_next_turn=True))
+        assert third.timings.cache_tier == "ram" and e.stats()["guessed_openings"] >= 1
+        again = turns[2] + third.tokens + glue + [340, 341]
+        for _ in range(500):  # the idle engine decodes the reply's last token, then the opening
+            if e.slots[0].tokens == again[:-2]:
+                break
+            time.sleep(0.01)
+        last = e.generate(Request(again, GREEDY, max_tokens=6, ignore_eos=True))
+        assert last.usage.cached_tokens == len(again) - 2
+    _check(tiny, again, last.tokens, 6)

@@ -1,15 +1,18 @@
 """Next-turn openings guessed for raw prompts: a client that writes its own chat markup (a ChatML text over
 /completion, a role-play front end, `run --raw`) sends no template, so the engine cannot know what its next prompt
-puts after a reply. It learns it from the prompts that continued earlier replies in place: what two of them put
+puts after a reply. It learns it from the prompts that continued earlier replies (in place, or restored where the
+reply ended): what two of them put
 there alike, cut after its last line break or control token (the markup ends there; what follows is a message, as
 "Tool result " in an agent's turns), is decoded ahead while the engine idles, as a chat's Request.next_turn is. A
 guess the next prompt does not follow costs only that idle decode: the reuse stops where the prompt differs."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 MAX_OPENING = 32  # tokens: longer, what two prompts share after a reply is more than markup
+MAX_REPLIES = 64  # replies' ends remembered for histories parked before their next turn came
 
 
 class Openings:
@@ -21,7 +24,21 @@ class Openings:
         self._ends: dict[int, bool] = {}  # token → whether markup can end with it
         self._guess: list[int] = []
         self._marked = False  # the guess ends after a line break or a control token
+        self._replies: OrderedDict[tuple[int, int], int] = OrderedDict()  # (length, hash) of a history → its last
         self.observed = 0
+
+    def reply_ended(self, history: Sequence[int], last: int) -> None:
+        """A raw prompt's reply ended where `history` ends (`last` sampled, not decoded). Where the history is parked
+        before its next turn comes (the next chat's request took its slot), its restore still starts an observation."""
+        key = (len(history), hash(tuple(history)))
+        self._replies[key] = last
+        self._replies.move_to_end(key)
+        if len(self._replies) > MAX_REPLIES:
+            self._replies.popitem(last=False)
+
+    def reply_last(self, history: Sequence[int]) -> int | None:
+        """The last token of a reply that ended where `history` ends (reply_ended), if one did."""
+        return self._replies.get((len(history), hash(tuple(history))))
 
     def observe(self, last: int, tail: Sequence[int]) -> None:
         """A prompt continued a reply's history in place: `tail` is what it put after the reply's decoded tokens,

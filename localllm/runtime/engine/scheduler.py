@@ -525,6 +525,9 @@ class Engine(ThreadSubmit):
                 try:
                     self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
+                    last = self._openings.reply_last(dst.tokens)  # a history parked where its reply ended
+                    if last is not None and common_prefix(prompt, dst.tokens) == len(dst.tokens) < len(prompt):
+                        self._openings.observe(last, prompt[len(dst.tokens):])
                     self._counters["restored"] += 1
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
@@ -945,6 +948,8 @@ class Engine(ThreadSubmit):
             return []
         s.reply_end, s.reply_last = len(s.tokens), last
         req = job.request
+        if req.guess_next_turn and not req.editor:
+            self._openings.reply_ended(s.tokens, last)
         if req.next_turn:  # the template's: it starts with the end of generation, where a reply ended on its own
             return [*undecoded, *req.next_turn]
         guess = self._openings.guess(strict=self._n_swa != 0) if req.guess_next_turn and not req.editor else []
