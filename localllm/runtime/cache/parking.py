@@ -288,8 +288,8 @@ class Parking:
         if took is not None:
             slot.parked_ram, slot.parked_at = took, len(slot.tokens)
 
-    def clear_idle(self, slots: list[Slot], keep: Slot, spare: Slot | None = None) -> None:
-        """Park every idle slot's history but `keep`'s (and `spare`'s) and drop it from the KV cache (as llama-server's
+    def clear_idle(self, slots: list[Slot], keep: Slot) -> None:
+        """Park every idle slot's history but `keep`'s and drop it from the KV cache (as llama-server's
         cache_idle_slots does): in a unified cache attention runs over every cell in use, so idle
         histories slow down every other sequence's prefill and decode. A history the RAM tier cannot
         take stays (a disk write still queued cannot serve a restore yet); one too short to park is
@@ -297,7 +297,7 @@ class Parking:
         decode sees the cells llama-server's does (its split-KV attention kernel groups cells by their
         count, so other cells in use move the logits)."""
         for s in slots:
-            if s is not keep and s is not spare and s.job is None and s.tokens and (
+            if s is not keep and s.job is None and s.tokens and (
                     len(s.tokens) < self.min_tokens or self.park(s, keep=0)):
                 self.ctx.seq_rm(s.id)
                 s.reset()

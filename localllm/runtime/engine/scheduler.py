@@ -57,8 +57,6 @@ _PARK_AHEAD_S = 0.25
 # idle this long, it decodes the openings of chats' next turns (Request.next_turn): a user reads and types for longer,
 # an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
 _TURN_AHEAD_S = 0.1
-# at most this many streams generating, a decode step also opens an idle chat's next turn or parks it (_decode_step)
-_ALONGSIDE = 1
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
@@ -111,7 +109,6 @@ class Engine(ThreadSubmit):
         self.prefill_chunk = prefill_chunk or max(64, n_batch // 2)
         self.slots = [Slot(i) for i in range(slots)]
         self._batch = Batch(n_batch, 1)
-        self._spare: Slot | None = None  # an idle history the running job's decode steps park (_background)
         # > 0: a sliding-window model, RECURRENT: a recurrent state (reuse must check what the memory holds)
         self._n_swa = RECURRENT if self.model.recurrent else self.model.n_swa
         self._cut_ubatch = min(n_ubatch or n_batch, n_batch) if self._n_swa else 0  # llama-server's prefill cuts
@@ -149,7 +146,7 @@ class Engine(ThreadSubmit):
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
-            "shifted_chunks": 0, "ahead_tokens": 0, "opened_alongside": 0, "parked_alongside": 0, "guessed_openings": 0,
+            "shifted_chunks": 0, "ahead_tokens": 0, "guessed_openings": 0,
             "restores_refused": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
@@ -497,19 +494,8 @@ class Engine(ThreadSubmit):
         # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
         # leave a gap that every later step attends over. Not before a copy: parking writes checkpoints through the
         # scratch sequence, whose window may take SWA cells of the source's prefix (the copy shares them, safe)
-        # where this job will run alone, the latest idle history long enough to park stays in the KV cache: the job's
-        # decode steps open its next turn and park it (_background), off this job's first token and the next one's (the
-        # next chat's request that comes at once); the next admission then only drops it. Its cells in use change how
-        # llama.cpp splits this job's attention: its logits move in their last bits (the reference's tolerance)
-        spare = None
-        if not self._waiting and not any(s.job for s in self.slots) and self._parked.enabled:
-            spare = max((s for s in self.slots if s is not dst and len(s.tokens) >= self._parked.min_tokens),
-                        key=lambda s: s.last_used, default=None)
-            if spare is not None and len(spare.tokens) + self._residents.tokens + len(prompt) > self.n_ctx:
-                spare = None
-        self._spare = spare
         if not (gain and copy):
-            self._parked.clear_idle(self.slots, dst, spare)
+            self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
             self._set_aside(dst, 0, room, protect=src)
             self.ctx.seq_rm(dst.id)
@@ -542,7 +528,7 @@ class Engine(ThreadSubmit):
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
         if gain and copy:
-            self._parked.clear_idle(self.slots, dst, spare)
+            self._parked.clear_idle(self.slots, dst)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
             # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
             # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
@@ -686,7 +672,7 @@ class Engine(ThreadSubmit):
                 s.tokens.append(tok)
             rows.append((s, slot_rows, job.drafts, n0))
             job.next_tokens, job.drafts = [], []
-        n_gen, streams = batch.n_tokens, len(rows)
+        n_gen = batch.n_tokens
         # chunked prefill of pending prompts within what is left of n_batch; while streams generate, at
         # most prefill_chunk per step, so that their next token does not wait for a whole batch of prompt
         room = min(batch.free, self.prefill_chunk) if n_gen else batch.free
@@ -712,15 +698,6 @@ class Engine(ThreadSubmit):
             prefilled.append((s, len(take), job))
             if last:
                 rows.append((s, [row], [], len(s.tokens) - 1))
-        # a lone stream's decode step also opens an idle chat's next turn (rows without logits): a request for it that
-        # comes before the engine idles (the next chat's request came at once) still finds it opened, and no first
-        # token waits for it. Not beside a prompt, nor beside more streams, whose every step it would slow
-        lone = 0 < streams <= _ALONGSIDE and not self._waiting and not any(s.job and s.job.pending for s in self.slots)
-        opening: tuple[Slot, list[int]] | None = None
-        due = self._opening_due() if lone else None
-        if due is not None:
-            toks = self._add_opening(due, batch)
-            opening = (due, toks) if toks else None
         if batch.n_tokens == 0:
             return
         busy = sum(1 for s in self.slots if s.job is not None)
@@ -729,11 +706,7 @@ class Engine(ThreadSubmit):
             self.ctx.decode(batch)
             if self._drafter is not None and n_gen == batch.n_tokens:  # rows with logits only: a cost sample
                 self._cost.observe(n_gen, (time.perf_counter() - t0) * 1000)
-        except Exception as exc:
-            if opening is not None:  # the opening is dropped (as on an idle decode without room)
-                self.ctx.seq_rm(opening[0].id, len(opening[0].tokens), -1)
-            if not isinstance(exc, NoKVSlot):
-                raise
+        except NoKVSlot:
             self._counters["kv_full"] += 1
             for s, n0, nxt, pend in undo:  # roll back: the batch never happened
                 self.ctx.seq_rm(s.id, n0, -1)
@@ -745,9 +718,6 @@ class Engine(ThreadSubmit):
                 self._free_kv(batch.n_tokens)
             return
         c = self._counters
-        if opening is not None:
-            self._opened(*opening)
-            c["opened_alongside"] += 1
         c["steps"] += 1
         c["busy_slots"] += busy
         c["n_tokens_max"] = max(c["n_tokens_max"], max(len(s.tokens) for s, *_ in undo))
@@ -782,56 +752,32 @@ class Engine(ThreadSubmit):
         if prefilled:
             c["prefill_us"] += round((time.perf_counter() - t0) * 1e6)
             self._parked.cost.prefilled(sum(n for _, n, _ in prefilled), computed)  # the checkpoints' copies left out
-        if lone and opening is None:
-            self._background()
-
-    def _background(self) -> None:
-        """Beside a lone stream, after a decode step: park the history spared at its admission (ahead of need, its
-        cells kept, as the idle engine does), so that the next admission does not copy it out first."""
-        s, self._spare = self._spare, None
-        if s is not None and s.job is None and s.tokens and s.parked_at != len(s.tokens):
-            self._parked.park_ahead(s)
-            self._counters["parked_alongside"] += 1
 
     def _decode_ahead(self) -> None:
         """With no request to serve, decode what a chat's next prompt will put after its reply (Request.next_turn:
         the template's end of turn and the next user turn's opening), so that a next turn prefills only its own
         message. Nothing is sampled: no logits. Where the cache has no room, the history stays as it was. One slot a
         call, the latest reply first: a request that comes meanwhile waits for one short decode at most."""
-        s = self._opening_due()
+        s = max((s for s in self.slots if s.ahead), key=lambda s: s.last_used, default=None)
         if s is None:
             return
+        toks, s.ahead = s.ahead, []
         batch = self._batch
-        batch.clear()
-        toks = self._add_opening(s, batch)
-        if not toks:
+        if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.capacity:
             return
+        if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
+            self._take_checkpoint(s, len(s.tokens))
+        batch.clear()
+        for i, tok in enumerate(toks):
+            batch.add(tok, len(s.tokens) + i, s.id, False)
         try:
             self.ctx.decode(batch)
         except Exception:  # noqa: BLE001 - an optimisation: no room (NoKVSlot) or a failed decode costs only the gain
             self.ctx.seq_rm(s.id, len(s.tokens), -1)
             return
-        self._opened(s, toks)
-        self._kv_pos = [self.ctx.seq_pos_max(t.id) for t in self.slots]
-
-    def _opening_due(self) -> Slot | None:
-        """The idle slot whose next turn's opening is due first: the latest reply."""
-        return max((s for s in self.slots if s.ahead and s.job is None), key=lambda s: s.last_used, default=None)
-
-    def _add_opening(self, s: Slot, batch: Batch) -> list[int]:
-        """Put slot s's opening (Slot.ahead) in the batch, no logits; [] where it does not fit (it is dropped)."""
-        toks, s.ahead = s.ahead, []
-        if len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.free:
-            return []
-        if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
-            self._take_checkpoint(s, len(s.tokens))
-        for i, tok in enumerate(toks):
-            batch.add(tok, len(s.tokens) + i, s.id, False)
-        return toks
-
-    def _opened(self, s: Slot, toks: list[int]) -> None:
         s.extend(toks)
         self._counters["ahead_tokens"] += len(toks)
+        self._kv_pos = [self.ctx.seq_pos_max(t.id) for t in self.slots]
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
