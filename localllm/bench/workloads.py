@@ -91,13 +91,19 @@ def agent_prompt(t: Texts, tag: str, r: int, replies: Sequence[str]) -> str:
     return render([*msgs, tool(len(replies))])
 
 
+def second_question(chat: int) -> str:
+    """A revisit's message, its own in each chat: a server that learns what clients put after a reply (localllm's
+    raw-prompt openings) would take one message sent to every chat for markup and decode it ahead."""
+    return f"In chat {chat}, which function would you test first, and why?"
+
+
 def revisit_prompt(t: Texts, tag: str, r: int, chat: int, reply: str | None = None) -> str:
     """Chat `chat`'s first turn, or (given its first reply) its second."""
     msgs = [Msg("system", f"Session {tag}, chat {chat}: you answer questions about this code.\n"
                 + t.take(40_000 + 7001 * r + REVISIT_SYSTEM * chat, REVISIT_SYSTEM)),
             Msg("user", f"What is the code of chat {chat} for?")]
     if reply is not None:
-        msgs += [Msg("assistant", reply), Msg("user", "Which function would you test first, and why?")]
+        msgs += [Msg("assistant", reply), Msg("user", second_question(chat))]
     return render(msgs)
 
 
@@ -108,7 +114,7 @@ def revisit_messages(t: Texts, tag: str, r: int, chat: int, reply: str | None = 
             {"role": "user", "content": f"What is the code of chat {chat} for?"}]
     if reply is not None:
         msgs += [{"role": "assistant", "content": reply},
-                 {"role": "user", "content": "Which function would you test first, and why?"}]
+                 {"role": "user", "content": second_question(chat)}]
     return msgs
 
 

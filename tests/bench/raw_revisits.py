@@ -6,7 +6,7 @@ runs the bench's agent loop once, as in `localllm bench --workloads`: its turns 
 client puts after a reply (engine/openings.py). Prints the TTFT p50 of the revisits per round (and the prompt
 tokens each revisit computed, p50), and the ratios.
 
-    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--pause 0.5]
+    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--pause 0.5] [--no-agent]
 
 --before: a checkout of an earlier localllm (a git worktree), run as a third side on its PYTHONPATH. Run this
 from outside the checkout (cd /tmp): `python -m` puts the working directory first on the path.
@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pause", type=float, default=w.REVISIT_PAUSE, help="seconds before each request (0: the "
                     "workload bench's \"revisits\" row)")
+    ap.add_argument("--no-agent", action="store_true", help="skip the agent loop: the servers learn a raw chat's "
+                    "next turn from the revisits alone (histories restored where their replies ended)")
     a = ap.parse_args()
     env = side_env(False, None)
     nonce = f"{time.time_ns() % 10**12:x}"
@@ -56,7 +58,8 @@ def main() -> None:
         asyncio.run(w._warm(servers))
         texts = asyncio.run(w._texts(servers))
         for name, srv in servers.items():
-            asyncio.run(w.agent_loop(srv, texts, f"{nonce}.agent.{name}", 0))
+            if not a.no_agent:
+                asyncio.run(w.agent_loop(srv, texts, f"{nonce}.agent.{name}", 0))
         names = list(servers)
         real_ask, rows = w.ask, []
 

@@ -66,7 +66,7 @@ def test_chat_revisits_send_each_chat_as_it_grew() -> None:
     second = wl.revisit_messages(TEXTS, "n.0.chat", 0, 2, "a reply")
     assert [m["role"] for m in first] == ["system", "user"] and second[:2] == first
     assert second[2:] == [{"role": "assistant", "content": "a reply"},
-                          {"role": "user", "content": "Which function would you test first, and why?"}]
+                          {"role": "user", "content": "In chat 2, which function would you test first, and why?"}]
     # the same text as the /completion revisits, rendered by the servers instead
     assert wl.render([wl.Msg(m["role"], m["content"]) for m in first]) == wl.revisit_prompt(TEXTS, "n.0.chat", 0, 2)
 
