@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from localllm.runtime.cache.prefix import common_prefix
+
 MAX_OPENING = 32  # tokens: longer, what two prompts share after a reply is more than markup
 MAX_REPLIES = 64  # replies' ends remembered for histories parked before their next turn came
 
@@ -36,12 +38,21 @@ class Openings:
         if len(self._replies) > MAX_REPLIES:
             self._replies.popitem(last=False)
 
-    def reply_last(self, history: Sequence[int]) -> int | None:
-        """The last token of a reply that ended where `history` ends (reply_ended), if one did."""
-        return self._replies.get((len(history), hash(tuple(history))))
+    def follow(self, prompt: Sequence[int], history: Sequence[int], end: int, last: int) -> None:
+        """A prompt given to a history whose reply ended at `end` (its `last` token sampled there): an observation
+        where the prompt keeps the history up to there and goes on past it."""
+        if 0 <= end < len(prompt) and common_prefix(prompt, history) >= end:
+            self.observe(last, prompt[end:])
+
+    def follow_restored(self, prompt: Sequence[int], history: Sequence[int]) -> None:
+        """follow() for a history just restored from RAM or disk, where it was parked as a reply ended (reply_ended)."""
+        if self._replies:  # hashing a long history costs; chats with a template never record a reply's end
+            last = self._replies.get((len(history), hash(tuple(history))))
+            if last is not None:
+                self.follow(prompt, history, len(history), last)
 
     def observe(self, last: int, tail: Sequence[int]) -> None:
-        """A prompt continued a reply's history in place: `tail` is what it put after the reply's decoded tokens,
+        """A prompt continued a reply's history (in place, or restored): `tail` is what it put after its decoded tokens,
         starting with the reply's `last` token (sampled, never decoded: the end of generation, or the token a length
         limit stopped at). A prompt that left that token out (a client that trims the reply) teaches nothing."""
         if len(tail) < 2 or tail[0] != last:

@@ -468,8 +468,7 @@ class Engine(ThreadSubmit):
             return moves[s.id][0]
 
         dst = max(free, key=lambda s: (held(s), editor or not s.editor, -s.last_used))
-        if 0 <= dst.reply_end < len(prompt) and common_prefix(prompt, dst.tokens) >= dst.reply_end:
-            self._openings.observe(dst.reply_last, prompt[dst.reply_end:])  # what a prompt puts after a reply
+        self._openings.follow(prompt, dst.tokens, dst.reply_end, dst.reply_last)  # what a prompt puts after a reply
         dst.reply_end = -1
         n = self._reusable(dst, prompt, cap, spans)
         # another slot's prefix is copied only where its KV still holds it (its checkpoints are its own)
@@ -511,9 +510,7 @@ class Engine(ThreadSubmit):
                 try:
                     self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
-                    last = self._openings.reply_last(dst.tokens)  # a history parked where its reply ended
-                    if last is not None and common_prefix(prompt, dst.tokens) == len(dst.tokens) < len(prompt):
-                        self._openings.observe(last, prompt[len(dst.tokens):])
+                    self._openings.follow_restored(prompt, dst.tokens)
                     self._counters["restored"] += 1
                     used = tier
                 except EngineError:  # no room in the KV cache, or a state llama.cpp refuses: prefill instead
@@ -894,11 +891,12 @@ class Engine(ThreadSubmit):
             return []
         s.reply_end, s.reply_last = len(s.tokens), last
         req = job.request
-        if req.guess_next_turn and not req.editor:
+        raw = req.guess_next_turn and not req.editor
+        if raw:
             self._openings.reply_ended(s.tokens, last)
         if req.next_turn:  # the template's: it starts with the end of generation, where a reply ended on its own
             return [*undecoded, *req.next_turn]
-        guess = self._openings.guess(strict=self._n_swa != 0) if req.guess_next_turn and not req.editor else []
+        guess = self._openings.guess(strict=self._n_swa != 0) if raw else []
         if not guess:
             return []
         self._counters["guessed_openings"] += 1
