@@ -28,7 +28,9 @@ HERE = Path(__file__).resolve().parent
 
 # (label, from, to): the time between the first stamps of two tags after the request was sent; or (label, tag, None):
 # the time spent inside that tag's calls in all
-ROWS = (("client to the handler", "send", "handler>"), ("lease the model", "handler>", "build>"),
+ROWS = (("client to the handler", "send", "handler>"), ("  of it: client to the server", "send", "guard>"),
+        ("  of it: body check", "bodycheck", None), ("  of it: validate the body", "solve", None),
+        ("  of it: endpoint to the handler", "endpoint>", "handler>"), ("lease the model", "handler>", "build>"),
         ("build: render, tokenize", "build>", "build<"), ("  of build: render (3 templates)", "render", None),
         ("  of build: tokenize round trips", "rpc", None), ("submit to the runner", "build<", "admit>"),
         ("admission", "admit>", "admit<"), ("  of admission: find the parked state", "best", None),

@@ -18,6 +18,9 @@ from typing import Any
 
 # module → (class or None, function, tag): "tag>" when it starts, "tag<" when it returns
 STAGES: dict[str, list[tuple[str | None, str, str]]] = {
+    "localllm.server.core.security": [("GuardMiddleware", "__call__", "guard"), (None, "body_problem", "bodycheck")],
+    "fastapi.dependencies.utils": [(None, "solve_dependencies", "solve")],
+    "fastapi.routing": [(None, "run_endpoint_function", "endpoint")],
     "localllm.server.openai.chat": [(None, "_run", "handler")],
     "localllm.server.llamacpp.completion": [(None, "_generate", "handler")],
     "localllm.compose.requests": [("RequestBuilder", "chat", "build"), ("RequestBuilder", "prompt", "build")],
