@@ -265,8 +265,8 @@ class _Planner:
         self.gpu_budget = max(0, gpu.free_bytes - GPU_HEADROOM) if gpu else 0
 
     def evaluate(self, n_ctx: int, kv_type: str, ngl: int | None) -> _Eval:
-        # one sequence more than the slots: the engine's scratch for parked checkpoints keeps a window too
-        kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots + 1,
+        # a window per slot: the engine cuts parked checkpoints through a sequence id without cells of its own
+        kv = layer_kv_bytes(self.info, n_ctx, kv_type, swa_full=self.swa_full, slots=self.slots,
                             n_ubatch=self.n_ubatch)
         # the attention mask of one ubatch over every cell (F16, flash attention): 64 MiB at 64k tokens
         mask = n_ctx * self.n_ubatch * 2
@@ -400,8 +400,8 @@ def plan_fit(info: ModelInfo, *, ram_available: int | None = None, devices: list
     layouts = [True, False] if choosing else [swa_full is not False]
 
     def full_extra(n: int, kvt: str) -> int:  # what full-size SWA layers add to the window's KV at n tokens
-        return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots + 1, n_ubatch=n_ubatch)
-                - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots + 1, n_ubatch=n_ubatch))
+        return (kv_cache_bytes(info, n, kvt, swa_full=True, slots=slots, n_ubatch=n_ubatch)
+                - kv_cache_bytes(info, n, kvt, swa_full=False, slots=slots, n_ubatch=n_ubatch))
 
     def cheap(n: int, kvt: str) -> bool:  # full size chosen (not given) only where it adds little
         return full_extra(n, kvt) <= FULL_SWA_SHARE * info.size_bytes

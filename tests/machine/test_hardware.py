@@ -118,11 +118,12 @@ def test_full_size_sliding_window_layers_only_where_they_cost_less_than_half_the
     """Memory that fits is not free: at a long context full-size SWA layers are left to the window's size (as
     llama-server and Ollama run them) once they would add more than half the weights' size."""
     small = synth(arch="gemma3", layers=18, kv_heads=1, head=256, swa=512, layer_bytes=12 * MiB, other=20 * MiB)
-    # 15 SWA layers × 1 KiB per token: +75 MiB at 8 192 tokens, +435 MiB at 32 768 (5 windows: 4 slots and the scratch); weights 236 MiB
+    # 15 SWA layers × 1 KiB per token: +82.5 MiB at 8 192 tokens, +442.5 MiB at 32 768 (a window for each of 4 slots and a
+    # ubatch: 2 560 cells); weights 236 MiB
     assert plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=8192).swa_full
     long = plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768)
     assert (long.swa_full, long.n_ctx, long.kv_type) == (False, 32768, "f16")
-    assert "would add 435.0 MiB" in long.choices["swa_full"].reason
+    assert "would add 442.5 MiB" in long.choices["swa_full"].reason
     assert plan_fit(small, ram_available=64 * GiB, devices=CPU_ONLY, want_ctx=32768, swa_full=True).swa_full
     # the same shape with 2.3 GB of weights keeps them at 32 768 tokens
     assert plan_fit(synth(arch="gemma3", layers=18, kv_heads=1, head=256, swa=512), ram_available=64 * GiB,

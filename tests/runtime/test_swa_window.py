@@ -5,7 +5,11 @@ context (tiny gemma3 with a 32-token window: a few hundred tokens move it as tho
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +208,19 @@ def test_a_turn_ended_by_its_first_token_still_leaves_its_checkpoints(swa_path: 
         e.generate(Request(turn, GREEDY, max_tokens=1))
         e._control(lambda: None, 10)  # the reply is out before the step ends: wait for the scheduler's next turn
         assert len(turn) - 4 in [c.n for c in e.slots[0].checkpoints]
+
+
+def test_parking_takes_no_window_of_its_own(tmp_path: Path) -> None:
+    """A window-sized SWA cache holds a window per slot and a ubatch, as llama-server's (-np 4 -kvu): the prefix
+    states parking cuts (Parking._cut_state) need no sequence of their own. With one, llama.cpp sized the cache for
+    one more window (n_swa × n_seq_max + n_ubatch): here 1 536 cells instead of 1 280."""
+    path = make_tiny_gemma3_gguf(tmp_path / "window-256.gguf", n_swa=256)
+    code = ("import sys\nfrom localllm.runtime.engine.scheduler import Engine\n"
+            "with Engine(sys.argv[1], n_ctx=4096, slots=4, n_batch=32, n_ubatch=32, threads=1, swa_full=False) as e:\n"
+            "    assert e._parked.enabled\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], env={**os.environ, "LOCALLLM_DEBUG": "1"},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cells = re.search(r"creating\s+SWA KV cache, size = (\d+) cells", out.stderr)
+    assert cells is not None, out.stderr[-2000:]
+    assert int(cells.group(1)) == 1280  # 4 × 256 + 32, padded to 256 by llama.cpp

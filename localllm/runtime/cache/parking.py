@@ -146,7 +146,8 @@ class CopyCost:
 
 RATES = ("prefill", "get", "set", "read", "wrote")  # CopyCost's Rate fields
 MAX_CROWDED = 2  # restores a state may fail in a full KV cache and stay (an estimate: a state refused otherwise goes)
-RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
+RATES_FILE = "rates.json"
+STATE_HEADER = 8  # a sequence state's first bytes: llama.cpp's magic number and the sequence id  # in the disk tier's folder: a restarted engine knows its costs before it measures them
 
 
 class Parking:
@@ -156,7 +157,8 @@ class Parking:
                  disk: DiskStates | None = None, scratch: int | None = None, window: bool = False) -> None:
         self.ctx, self.ram, self.disk = ctx, StateLRU(ram_bytes), disk
         self.min_tokens, self.n_swa = min_tokens, n_swa
-        # a sequence id no slot uses: a prefix of a history is copied there (metadata only) to save its state
+        # a sequence id no slot uses, for the states of a history's prefixes (_cut_state): below n_seq_max for a
+        # recurrent memory (a state cell of its own), above it for an attention cache (no cells of its own)
         self.scratch = scratch
         # SWA layers at the window's size, or a recurrent state: prefix states only from the slots' checkpoints
         self.window = window
@@ -242,11 +244,42 @@ class Parking:
                 self.ram.put(slot.tokens[:c], blob, pos_min)
 
     def _cut_state(self, slot: Slot, c: int, swa: bytes | None = None, partial: bool = False) -> bytes | None:
-        """The state of the slot's first c tokens (its SWA layers' window ending at c), via the scratch sequence;
-        `swa`: those SWA layers (or the recurrent state) from a checkpoint, where the memory keeps only the latest;
-        `partial`: the SWA layers alone (a checkpoint)."""
+        """The state of the slot's first c tokens (its SWA layers' window ending at c); `swa`: those SWA layers (or the
+        recurrent state) from a checkpoint, where the memory keeps only the latest; `partial`: the SWA layers alone (a
+        checkpoint). None where llama.cpp refuses."""
         assert self.scratch is not None
-        self.ctx.seq_cp(slot.id, self.scratch, 0, c)  # metadata only in the unified cache
+        if self.scratch < self.ctx.n_seq_max:  # a recurrent memory: the prefix in a sequence (a state cell) of its own
+            return self._cut_in_scratch(slot, c, swa, partial)
+        # An attention cache: the slot's whole history waits under the scratch id (above n_seq_max: no cells of its
+        # own, where a sequence of its own would cost a window's SWA cells: llama.cpp sizes them n_swa × n_seq_max +
+        # n_ubatch) while the slot's own id is cut to the prefix: llama.cpp writes a state only under an id below
+        # n_seq_max. Metadata only, both ways: no cell moves.
+        sid = slot.id
+        self.ctx.seq_cp(sid, self.scratch)
+        try:
+            self.ctx.seq_rm(sid, c, -1)
+            if partial:
+                return self.ctx.state_seq_get(sid, partial=True)
+            full = self.ctx.state_seq_get(sid)
+            if swa is None:
+                return full
+            # a sliding-window state is a header, the full layers' part, then the SWA layers' (llama_context::
+            # state_seq_get_data, llama_kv_cache_iswa::state_write), a checkpoint the header and the SWA layers': the
+            # checkpoint's go in place of what the slot still holds of them before c (no cells taken, none refused)
+            now, h = self.ctx.state_seq_get(sid, partial=True), STATE_HEADER
+            if full[:h] != now[:h] or not full.endswith(now[h:]) or swa[:4] != now[:4]:
+                return None  # not the layout above: no checkpoint rather than a wrong one
+            return full[:len(full) - len(now) + h] + swa[h:]
+        except LocalLLMError:
+            return None
+        finally:
+            self.ctx.seq_rm(sid)
+            self.ctx.seq_cp(self.scratch, sid)
+            self.ctx.seq_rm(self.scratch)
+
+    def _cut_in_scratch(self, slot: Slot, c: int, swa: bytes | None, partial: bool) -> bytes | None:
+        assert self.scratch is not None
+        self.ctx.seq_cp(slot.id, self.scratch, 0, c)
         try:
             if swa is not None:
                 self.ctx.state_seq_set(self.scratch, swa, partial=True)

@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from localllm.runtime.cache.prefix import common_prefix
 from localllm.runtime.engine.slots import Slot
-from localllm.runtime.native.llama import Context
+from localllm.runtime.native.llama import LLAMA_MAX_SEQ, Context
 
-MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: in a unified cache every id below it maps to the one stream
 PROBE_EVERY = 16  # while residents do not pay, one keep in this many asks anyway
 
 
@@ -33,7 +32,7 @@ class Residents:
         self.ctx = ctx
         self.enabled = enabled
         self.held: list[Slot] = []  # least recently used first
-        self._free = list(range(first, MAX_SEQ)) if enabled else []
+        self._free = list(range(first, LLAMA_MAX_SEQ - 1)) if enabled else []  # the last: Parking's scratch
         self.kept = self.served = self.dropped = 0  # /metrics: histories kept, copied back into a slot, evicted
         # how the last residents ended: served (True) or evicted unserved (False). Cells held cost every sequence
         # placed after them attention reads; where none comes back (distinct prompts, a throughput run) they are all

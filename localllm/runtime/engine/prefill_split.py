@@ -19,8 +19,8 @@ its own swa_full). A prompt that continues a cached history (a chat's or an agen
 (Engine._admit): the 4-token batch costs a decode call of its own — 36 + 4 rows after ~1 000 cached tokens of
 gemma-3-270m took 128 ms against 96 ms as one batch of 40 (2 threads) — and llama-server's greedy output is no
 target there (it differs by batch noise, within the reference's tolerance). Where SWA layers are window-sized, a
-checkpoint is cut from the scratch sequence right after the batch that reached it (Parking.checkpoint_within), so
-no batch needs to end there; a recurrent or hybrid state, or a window without parking (no scratch sequence), still
+checkpoint is cut right after the batch that reached it (Parking.checkpoint_within), so
+no batch needs to end there; a recurrent or hybrid state, or a window without parking, still
 ends a batch at each checkpoint (`with_cuts`). Not replayed: the extra cuts llama-server makes at the user-message
 starts of a chat prompt (message spans from the chat template); localllm cuts at the end of the system prefix
 instead (Request.n_keep), so the parity shown is for prompts sent as text or tokens (/completion).

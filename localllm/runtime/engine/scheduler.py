@@ -40,7 +40,7 @@ from localllm.runtime.engine.prefill_split import (
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.engine.stream import Stream
-from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
+from localllm.runtime.native.llama import LLAMA_MAX_SEQ, Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, StepCost, verify
@@ -92,15 +92,18 @@ class Engine(ThreadSubmit):
         self._embed_lock = threading.Lock()
         n_batch = max(n_batch, slots)  # a row for every generating slot
         n_ubatch = max(n_ubatch, slots) if n_ubatch else None
-        # a sliding-window model that parks states gets one more sequence: the scratch for prefix checkpoints
+        # a sliding-window or recurrent model that parks states cuts its prefixes' states through a scratch sequence
+        # id (Parking._cut_state): one more sequence for a recurrent memory (a state cell), an id above the slots for
+        # an attention cache (no cells: a sequence of its own would cost every SWA layer one more window)
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
-        scratch = slots if (self.model.n_swa > 0 or self.model.recurrent) and parks else None
+        scratch = None if not (self.model.n_swa > 0 or self.model.recurrent) or not parks \
+            else slots if self.model.recurrent else LLAMA_MAX_SEQ - 1
         # rows with logits a step needs: one per slot (its next token, or its prompt's last), and drafts: as many as
         # every slot drafting the engine's draft_max at once (a request asking for more gets what is left)
         drafts = spec.draft_max if spec is not None and spec.enabled else 0
         if self.model.recurrent and spec is not None and spec.optional:
             drafts = 0  # make_drafter drops drafting nobody asked for where the memory cannot drop drafts
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch is not None), n_batch=n_batch,
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots + (scratch == slots), n_batch=n_batch,
                            n_ubatch=n_ubatch, n_threads=threads or os.cpu_count() or 4, kv_type=kv_type, flash_attn=flash_attn,
                            swa_full=swa_full, n_outputs_max=slots * (1 + drafts))
         # the most one sequence may hold: the whole shared cache, or ctx_per_slot (llama-server's per-slot context)
@@ -117,8 +120,8 @@ class Engine(ThreadSubmit):
         self._window = self._n_swa > 0 and not swa_full
         # a recurrent state continues only from its end: any shorter prefix only from a checkpoint, as a window's
         self._checkpointing = self._window or self._n_swa == RECURRENT
-        # a batch ends at each checkpoint: a recurrent state, or a window without the scratch sequence (with it, SWA
-        # layers' checkpoints are cut from the scratch after the batch that reached them: Parking.checkpoint_within)
+        # a batch ends at each checkpoint: a recurrent state, or a window that does not park (where it parks, SWA
+        # layers' checkpoints are cut after the batch that reached them: Parking.checkpoint_within)
         self._ends_at_checkpoints = self._checkpointing and not (self._window and scratch is not None)
         # llama-server's --cache-reuse: the smallest run of cached tokens moved to a new position after tokens
         # before it were dropped (0: off); per request Request.cache_reuse. Not where a cache cannot shift.
@@ -128,7 +131,7 @@ class Engine(ThreadSubmit):
                                window=self._checkpointing)
         # idle histories kept in the KV cache under spare sequence ids where parking did not take them (a GPU, where
         # copying costs more than computing again; a full RAM tier): not where cells are a window's or a state
-        self._residents = Residents(self.ctx, slots + (scratch is not None), enabled=resident and not self._checkpointing)
+        self._residents = Residents(self.ctx, slots + (scratch == slots), enabled=resident and not self._checkpointing)
         self._openings = Openings(self.model.token_to_piece)  # raw prompts' next turns, learned
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
@@ -491,8 +494,7 @@ class Engine(ThreadSubmit):
         blob = self._parked.take(tier, key) if gain and not copy else None  # type: ignore[arg-type]
         # before dst's restore or prefill: llama.cpp places new cells from the lowest freed one, and attention runs
         # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
-        # leave a gap that every later step attends over. Not before a copy: parking writes checkpoints through the
-        # scratch sequence, whose window may take SWA cells of the source's prefix (the copy shares them, safe)
+        # leave a gap that every later step attends over. Not before a copy: clearing may drop the source's cells
         if not (gain and copy):
             self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
@@ -527,8 +529,8 @@ class Engine(ThreadSubmit):
         if gain and copy:
             self._parked.clear_idle(self.slots, dst)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
-            # parking wrote checkpoints through the scratch sequence: with SWA layers at the window's size, those
-            # restores may take cells that only the reuse of an older prefix (a BOS) still wanted
+            # with SWA layers at the window's size, a checkpoint's restore takes cells that only the reuse of an older
+            # prefix (a BOS) may still have wanted
             n = 0
         if shifting and used == "slot" and n < len(dst.tokens) and moves[dst.id][1]:
             n = apply_moves(self.ctx, dst, sharers(self.slots, self._residents), prompt, n, moves[dst.id][1])
@@ -783,7 +785,7 @@ class Engine(ThreadSubmit):
         """Save the SWA layers of a prompt's first n tokens (a window's worth of cells, ~8 MB on gemma-3-270m), or
         its recurrent state, so that a later prompt sharing them — the same chat with its reply trimmed or
         regenerated — continues from there after the window (or the state) has moved on. At the slot's end, or
-        within the batch just decoded (cut from the scratch sequence; a recurrent state only at its end)."""
+        within the batch just decoded (Parking.checkpoint_within; a recurrent state only at its end)."""
         try:
             blob = (self.ctx.state_seq_get(s.id, partial=True) if n == len(s.tokens)
                     else self._parked.checkpoint_within(s, n))

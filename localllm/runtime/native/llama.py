@@ -35,6 +35,9 @@ MEDIA_PLACEHOLDERS = (
     "<audio_soft_token>", "[multimodal]", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
     "<|image_pad|>", "<|video_pad|>", "<|image|>", "<image>", "<fake_token_around_image>",
 )
+# llama.cpp's LLAMA_MAX_SEQ: in a unified KV cache every id below it maps to the one stream, so memory operations
+# (seq_cp, seq_rm, state copies out) take any of them; decode batches take ids below it too, states only below n_seq_max
+LLAMA_MAX_SEQ = 256
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
@@ -502,7 +505,7 @@ class Context:
                  embeddings: bool = False, n_outputs_max: int | None = None) -> None:
         if kv_type not in KV_TYPES:
             raise InvalidInput(f"unknown KV cache type {kv_type!r}", f"use one of {', '.join(KV_TYPES)}")
-        if not 1 <= n_seq_max <= 256:
+        if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
             raise InvalidInput(f"slots must be between 1 and 256, got {n_seq_max}")
         self.model = model
         p = lc.llama_context_default_params()
