@@ -224,3 +224,20 @@ def test_parking_takes_no_window_of_its_own(tmp_path: Path) -> None:
     cells = re.search(r"creating\s+SWA KV cache, size = (\d+) cells", out.stderr)
     assert cells is not None, out.stderr[-2000:]
     assert int(cells.group(1)) == 1280  # 4 × 256 + 32, padded to 256 by llama.cpp
+
+
+def test_a_sliding_window_state_is_its_header_full_layers_then_the_checkpoint_part(swa_path: Path) -> None:
+    """Parking._cut_state joins a prefix's full-layer part with a checkpoint's SWA part as bytes: it relies on the
+    pinned llama.cpp writing a sequence's state as an 8-byte header (magic, sequence id), the full layers' cells, then
+    the SWA layers' cells, and a partial state as the same header and the SWA layers' cells alone."""
+    ctx = Context(Model(swa_path, cpu_kernels="none"), n_ctx=512, n_seq_max=2, n_batch=32, n_threads=2, swa_full=False)
+    batch = Batch(32, 1)
+    for start in range(0, 96, 32):
+        batch.clear()
+        for i in range(start, start + 32):
+            batch.add(10 + i, i, 1, i == start + 31)
+        ctx.decode(batch)
+    full, part = ctx.state_seq_get(1), ctx.state_seq_get(1, partial=True)
+    assert len(part) == ctx.state_seq_size(1, partial=True) > 1024  # a window of cells, not an empty SWA part
+    assert full[:8] == part[:8] and int.from_bytes(full[4:8], "little") == 1
+    assert full.endswith(part[8:]) and len(full) > len(part)  # the full layers: 96 cells before it

@@ -260,16 +260,17 @@ class Parking:
             self.ctx.seq_rm(sid, c, -1)
             if partial:
                 return self.ctx.state_seq_get(sid, partial=True)
-            full = self.ctx.state_seq_get(sid)
             if swa is None:
-                return full
+                return self.ctx.state_seq_get(sid)
             # a sliding-window state is a header, the full layers' part, then the SWA layers' (llama_context::
-            # state_seq_get_data, llama_kv_cache_iswa::state_write), a checkpoint the header and the SWA layers': the
-            # checkpoint's go in place of what the slot still holds of them before c (no cells taken, none refused)
-            now, h = self.ctx.state_seq_get(sid, partial=True), STATE_HEADER
-            if full[:h] != now[:h] or not full.endswith(now[h:]) or swa[:4] != now[:4]:
-                return None  # not the layout above: no checkpoint rather than a wrong one
-            return full[:len(full) - len(now) + h] + swa[h:]
+            # state_seq_get_data, llama_kv_cache_iswa::state_write; test_swa_window checks it), a checkpoint the header
+            # and the SWA layers': the checkpoint's go in place of what the slot still holds of them before c (no
+            # cells taken, none refused; their size walked, not copied)
+            full, h = self.ctx.state_seq_get(sid), STATE_HEADER
+            if full[:4] != swa[:4]:
+                return None  # not a state of this llama.cpp: no checkpoint rather than a wrong one
+            base_end = len(full) - self.ctx.state_seq_size(sid, partial=True) + h
+            return b"".join((memoryview(full)[:base_end], memoryview(swa)[h:]))
         except LocalLLMError:
             return None
         finally:
