@@ -241,3 +241,13 @@ def test_a_sliding_window_state_is_its_header_full_layers_then_the_checkpoint_pa
     assert len(part) == ctx.state_seq_size(1, partial=True) > 1024  # a window of cells, not an empty SWA part
     assert full[:8] == part[:8] and int.from_bytes(full[4:8], "little") == 1
     assert full.endswith(part[8:]) and len(full) > len(part)  # the full layers: 96 cells before it
+
+
+def test_every_sequence_id_a_slot_leaves_parking_without_prefix_cuts(swa_path: Path) -> None:
+    """256 slots take every id llama.cpp has (LLAMA_MAX_SEQ), the one parking would cut prefixes under too: no cuts
+    then (a batch ends at each checkpoint instead), and the slots answer as a fresh context does."""
+    p = _prompt(7, 120)
+    with Engine(swa_path, **{**KW, "n_ctx": 8192}, slots=256, min_park_tokens=16) as e:
+        assert e._parked.scratch is None
+        r = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))
+    assert r.tokens == _fresh(swa_path, p, 8)

@@ -146,8 +146,8 @@ class CopyCost:
 
 RATES = ("prefill", "get", "set", "read", "wrote")  # CopyCost's Rate fields
 MAX_CROWDED = 2  # restores a state may fail in a full KV cache and stay (an estimate: a state refused otherwise goes)
-RATES_FILE = "rates.json"
-STATE_HEADER = 8  # a sequence state's first bytes: llama.cpp's magic number and the sequence id  # in the disk tier's folder: a restarted engine knows its costs before it measures them
+RATES_FILE = "rates.json"  # in the disk tier's folder: a restarted engine knows its costs before it measures them
+STATE_HEADER = 8  # a sequence state's first bytes: llama.cpp's magic number and the sequence id
 
 
 class Parking:

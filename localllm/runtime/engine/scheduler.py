@@ -97,7 +97,7 @@ class Engine(ThreadSubmit):
         # an attention cache (no cells: a sequence of its own would cost every SWA layer one more window)
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
         scratch = None if not (self.model.n_swa > 0 or self.model.recurrent) or not parks \
-            else slots if self.model.recurrent else LLAMA_MAX_SEQ - 1
+            else slots if self.model.recurrent else LLAMA_MAX_SEQ - 1 if slots < LLAMA_MAX_SEQ else None
         # rows with logits a step needs: one per slot (its next token, or its prompt's last), and drafts: as many as
         # every slot drafting the engine's draft_max at once (a request asking for more gets what is left)
         drafts = spec.draft_max if spec is not None and spec.enabled else 0
