@@ -96,8 +96,11 @@ class Engine(ThreadSubmit):
         # id (Parking._cut_state): one more sequence for a recurrent memory (a state cell), an id above the slots for
         # an attention cache (no cells: a sequence of its own would cost every SWA layer one more window)
         parks = state_cache_bytes > 0 or bool(disk_cache and disk_cache[1] > 0)
-        scratch = None if not (self.model.n_swa > 0 or self.model.recurrent) or not parks \
-            else slots if self.model.recurrent else LLAMA_MAX_SEQ - 1 if slots < LLAMA_MAX_SEQ else None
+        scratch: int | None = None
+        if parks and self.model.recurrent:
+            scratch = slots
+        elif parks and self.model.n_swa > 0 and slots < LLAMA_MAX_SEQ:  # 256 slots leave no id: no prefix cuts
+            scratch = LLAMA_MAX_SEQ - 1
         # rows with logits a step needs: one per slot (its next token, or its prompt's last), and drafts: as many as
         # every slot drafting the engine's draft_max at once (a request asking for more gets what is left)
         drafts = spec.draft_max if spec is not None and spec.enabled else 0
