@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
@@ -350,3 +351,50 @@ def test_logits_are_reserved_for_the_rows_a_step_can_ask_and_no_more(tiny_path: 
         for i, r in enumerate(got):
             assert_same_or_tie(tiny_path, rep + str(i), plain.generate(Request(rep + str(i), GREEDY, max_tokens=40,
                                                                                ignore_eos=True)).tokens, r.tokens)
+
+
+def _calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts StepCost.calibrate decodes, recorded (the decodes still run)."""
+    from localllm.runtime.speculative import verify as verify_mod
+
+    rows: list[int] = []
+    timed = verify_mod.time_rows
+
+    def recorded(ctx: object, batch: object, token: int, n: int, pos: int = 0) -> float:
+        rows.append(n)
+        return timed(ctx, batch, token, n, pos)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify_mod, "time_rows", recorded)
+    return rows
+
+
+def test_a_restarted_engine_loads_its_decode_costs_instead_of_calibrating(tiny_path: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibrating the decode-cost table held up a restarted server's first request by ~0.7 s (gemma-3-270m, 2
+    threads). An engine with a disk tier keeps the table beside it, and the next engine with the same settings
+    loads it: no calibration decodes. Other settings, or a damaged file, calibrate again. Fails before (the second
+    engine calibrated)."""
+    rows = _calibrations(monkeypatch)
+    lookup = SpecConfig(lookup=True, optional=True)  # drafting by default, as the server sets it
+    disk = (str(tmp_path / "cache"), 64 << 20)
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, disk_cache=disk, spec=lookup) as e:
+        assert e._drafter is not None and rows and 1 in e._cost.ms
+    (saved,) = (tmp_path / "cache").rglob("step_cost.json")
+    table = json.loads(saved.read_text())
+    table["ms"] = {n: 3.0 * float(v) + 1 for n, v in table["ms"].items()}  # not what a calibration measures
+    saved.write_text(json.dumps(table))
+    rows.clear()
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, disk_cache=disk, spec=lookup) as e:
+        assert rows == [] and e._cost.ms == {int(n): v for n, v in table["ms"].items()}
+        prompt = e.tokenize("hello world foo bar " * 4)
+        r = e.generate(Request(prompt, GREEDY, max_tokens=12, ignore_eos=True))
+    assert_like_reference(tiny_path, prompt, r.tokens, n=12, ignore_eos=True)
+    with Engine(tiny_path, n_ctx=1024, slots=2, threads=1, disk_cache=disk, spec=lookup) as e:  # another thread count
+        assert rows and e._cost.ms != {int(n): v for n, v in table["ms"].items()}
+    assert json.loads(saved.read_text())["key"]["threads"] == 1
+    nan = json.dumps({"key": {**table["key"], "threads": 2}, "ms": {"1": float("nan"), "2": 5.0}})
+    for damage in ("not json", '{"key": 1}', nan):
+        saved.write_text(damage)
+        rows.clear()
+        with Engine(tiny_path, n_ctx=1024, slots=2, threads=2, disk_cache=disk, spec=lookup) as e:
+            assert rows and math.isfinite(e._cost.ms[1])

@@ -8,9 +8,7 @@ Used by the engine's scheduler thread only (the disk tier's writer runs on its o
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from localllm.errors import LocalLLMError
 from localllm.runtime.cache.disk import DiskStates, Rate
 from localllm.runtime.cache.prefix import RECURRENT, StateLRU, kv_holds, worth_reusing
 from localllm.runtime.engine.slots import Slot
+from localllm.runtime.measured import read_json, write_json
 from localllm.runtime.native.llama import Context, bindings_version
 
 
@@ -120,10 +119,10 @@ class CopyCost:
     def load(self, path: Path) -> None:
         """The rates a previous engine saved (a restart's first restore is decided by them: its own first
         prefill, a greeting, says little of a long prompt's speed). Absent or unreadable: measured afresh."""
+        saved = read_json(path)
         try:
-            saved = json.loads(path.read_text())
             pairs = {name: [float(x) for x in saved[name]] for name in RATES if name in saved}  # unmeasured: absent
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return
         # only what a measurement can give (finite, amounts and seconds > 0): a hand-edited or damaged file must
         # not divide by zero, nor hold a NaN that never fades; all or nothing
@@ -135,13 +134,7 @@ class CopyCost:
     def save(self, path: Path) -> None:
         """The measured rates (an unmeasured one is left out), written atomically; a folder gone read-only costs
         the rates, not the shutdown."""
-        saved = {name: list(getattr(self, name).sums) for name in RATES if getattr(self, name).sums[1] > 0}
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(saved))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_json(path, {name: list(getattr(self, name).sums) for name in RATES if getattr(self, name).sums[1] > 0})
 
 
 RATES = ("prefill", "get", "set", "read", "wrote")  # CopyCost's Rate fields

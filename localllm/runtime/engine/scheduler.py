@@ -41,7 +41,7 @@ from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
 from localllm.runtime.engine.stream import Stream
 from localllm.runtime.native.llama import LLAMA_MAX_SEQ, Batch, Context, Model, NoKVSlot
-from localllm.runtime.speculative.drafters import make_drafter
+from localllm.runtime.speculative.drafters import make_drafter, step_cost_key
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
 from localllm.runtime.speculative.verify import SpecConfig, SpecState, StepCost, verify
 from localllm.runtime.types import Chunk, Image, Notice, PromptProgress, Request, Result
@@ -57,6 +57,7 @@ _PARK_AHEAD_S = 0.25
 # idle this long, it decodes the openings of chats' next turns (Request.next_turn): a user reads and types for longer,
 # an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
 _TURN_AHEAD_S = 0.1
+STEP_COST_FILE = "step_cost.json"  # StepCost, beside the disk tier's rates.json
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
 
@@ -340,14 +341,22 @@ class Engine(ThreadSubmit):
         self._thread.join(timeout=30)
         if self._thread.is_alive():  # still inside llama.cpp: freeing the context under it would crash the process
             return
-        try:  # the context is free: keep what the slots hold on disk
+        try:  # the context is free: keep what the slots hold on disk, and the decode costs measured since the load
             self._parked.save_all(self.slots, self._residents.through(self.slots[0]))
+            if self._drafter is not None and self.spec.adaptive and self._step_cost_file is not None:
+                self._cost.save(self._step_cost_file, step_cost_key(self.spec, self.ctx, self._batch))
         finally:
             self._close_native()
 
     def _make_drafter(self, slots: int, threads: int | None, name: str) -> None:
         self._drafter, self._cost = make_drafter(self.spec, self.ctx, self._batch, slots=slots, threads=threads,
-                                                 target_name=name)
+                                                 target_name=name, saved=self._step_cost_file)
+
+    @property
+    def _step_cost_file(self) -> Path | None:
+        """Where the decode-cost table is kept for a restart: beside the disk tier's states (one folder per model and
+        KV layout), where there is a disk tier."""
+        return self._parked.disk.dir / STEP_COST_FILE if self._parked.disk is not None else None
 
     def _close_native(self) -> None:
         with self._embed_lock:

@@ -286,9 +286,10 @@ class ChainDrafter:
 
 
 def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, threads: int | None,
-                 target_name: str = "") -> tuple[Drafter | None, StepCost]:
+                 target_name: str = "", saved: Path | None = None) -> tuple[Drafter | None, StepCost]:
     """The drafter a SpecConfig describes (None when it asks for none), and the target's decode-cost
-    table, calibrated on `ctx` (still empty) when drafting is adaptive."""
+    table when drafting is adaptive: the one `saved` holds for these settings, else calibrated on `ctx` (still
+    empty) and saved there."""
     cost = StepCost()
     drafter = _drafter(cfg, ctx.model, n_ctx=ctx.n_ctx, slots=slots, n_batch=batch.capacity, threads=threads,
                        target_name=target_name)
@@ -301,9 +302,18 @@ def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, thr
             raise InvalidInput("speculative decoding needs a KV cache that can drop a sequence's last tokens; "
                                f"{target_name or ctx.model.path.name} has recurrent memory, which cannot",
                                "run it without --draft/--lookup")
-        if cfg.adaptive:
+        key = step_cost_key(cfg, ctx, batch)
+        if cfg.adaptive and not (saved is not None and cost.load(saved, key)):
             cost.calibrate(ctx, batch, token, cfg.draft_max)
+            if saved is not None:
+                cost.save(saved, key)
     return drafter, cost
+
+
+def step_cost_key(cfg: SpecConfig, ctx: Context, batch: Batch) -> dict[str, int | str]:
+    """What a StepCost table's timings depend on beyond the model file and the KV layout."""
+    return {"threads": ctx.n_threads, "cpu_kernels": ctx.model.cpu_kernels, "n_batch": batch.capacity,
+            "n_outputs_max": ctx.n_outputs_max, "draft_max": cfg.draft_max}
 
 
 def _can_drop_tail(ctx: Context, batch: Batch, token: int) -> bool:
