@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "localllm"
 # a module's room: the first matching prefix (dotted module names, most specific first)
 ROOMS = [
     ("localllm.runtime.types", "leaves"), ("localllm.config", "leaves"), ("localllm.errors", "leaves"),
-    ("localllm.__init__", "leaves"), ("localllm.__main__", "entry"),
+    ("localllm.__init__", "leaves"), ("localllm.standalone", "leaves"), ("localllm.__main__", "entry"),
     ("localllm.models", "models"), ("localllm.machine", "machine"), ("localllm.runtime", "runtime"),
     ("localllm.compose", "compose"), ("localllm.eval", "eval"), ("localllm.server", "server"), ("localllm.tui", "tui"),
     ("localllm.cli", "cli"), ("localllm.bench", "bench"),

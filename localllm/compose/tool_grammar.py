@@ -9,7 +9,7 @@ from typing import Any
 
 from localllm.compose.reply_plan import tool_name
 from localllm.errors import InvalidInput
-from localllm.runtime.native.llama import json_schema_to_gbnf
+from localllm.runtime.native.schema_grammar import json_schema_to_gbnf
 
 _WRAP = {"hermes": '"<tool_call>\\n" call "\\n</tool_call>"', "mistral": '"[" call "]"', "json": "call"}
 

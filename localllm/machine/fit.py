@@ -20,7 +20,7 @@ from typing import Any
 
 from localllm.errors import InvalidInput
 from localllm.machine.probe import Device, MiB, detect_devices, physical_cores, ram
-from localllm.models.gguf_meta import ModelInfo, ProjectorInfo, read_gguf
+from localllm.models.gguf_meta import ModelInfo, ProjectorInfo, other_split, read_gguf
 
 CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256; other sizes corrupt Python-side buffers
 # Default context when none is asked for. Trained contexts run to 128k+, and a KV cache that size costs
@@ -148,26 +148,15 @@ def _pad(n: int, step: int = CTX_STEP) -> int:  # round up to a multiple of step
 
 
 def _split_other(info: ModelInfo) -> tuple[int, int, int]:
-    """(input, output, tied) bytes of the non-layer tensors. The token embedding stays on the CPU; the
-    output head moves to the GPU on full offload, where a tied embedding is duplicated (`tied`)."""
+    """(input, output, tied) bytes of the non-layer tensors (gguf_meta.other_split), from the header model_info
+    read; an info made otherwise reads its file again, and a synthetic or moved one is estimated."""
+    if info.other_split is not None:
+        return info.other_split
     try:
-        tensors = read_gguf(info.path).tensors
+        return other_split(read_gguf(info.path).tensors)
     except Exception:  # noqa: BLE001 - synthetic infos and moved files: estimate instead
         half = info.other_bytes // 2
         return half, info.other_bytes - half, 0
-    inp = out = embd = 0
-    has_output = False
-    for t in tensors:
-        if t.name.startswith("blk."):
-            continue
-        if t.name.startswith("token_embd"):
-            embd += t.n_bytes
-        elif t.name.startswith("output"):
-            out += t.n_bytes
-            has_output |= t.name == "output.weight"
-        else:
-            inp += t.n_bytes
-    return inp + embd, out, 0 if has_output else embd
 
 
 @dataclass(frozen=True)

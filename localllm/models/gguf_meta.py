@@ -2,7 +2,7 @@
 
 `gguf.GGUFReader` builds numpy views of every array field: 15 s on Gemma 3's 262k-token vocabulary.
 This reader walks the same header with `struct`, skips the token arrays without decoding them and
-takes its constants (value types, ggml type sizes, file types, key names) from the `gguf` package.
+takes its constants (ggml type sizes, file types) from `gguf.constants`, loaded without the package (standalone.py).
 A file that is not a GGUF, or is truncated, raises NotGGUF; nothing here can crash the interpreter.
 """
 
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from localllm.errors import NotGGUF
+from localllm.standalone import standalone
 
 GGUF_MAGIC = b"GGUF"
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -40,17 +43,14 @@ class TensorInfo:
 
     @property
     def n_bytes(self) -> int:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        c = _constants()
+        block, type_size = c.GGML_QUANT_SIZES[c.GGMLQuantizationType(self.ggml_type)]
         return self.n_elements * type_size // block
 
     @property
     def type_name(self) -> str:
-        from gguf.constants import GGMLQuantizationType
-
         try:
-            return GGMLQuantizationType(self.ggml_type).name
+            return _constants().GGMLQuantizationType(self.ggml_type).name
         except ValueError:
             return f"type{self.ggml_type}"
 
@@ -118,6 +118,12 @@ class _Cursor:
                 raise NotGGUF(f"{self.path.name} is truncated inside {key}")
             return None
         raise NotGGUF(f"{self.path.name}: unknown metadata type {vtype} for {key}", "the file is corrupt")
+
+
+def _constants() -> ModuleType:
+    """`gguf.constants` (stdlib only) without the `gguf` package's `__init__`, which imports numpy and its writer:
+    ~105 ms of a server's first model resolve (localllm/standalone.py)."""
+    return standalone("gguf", "constants")
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -214,6 +220,8 @@ class ModelInfo:
     other_bytes: int = 0
     tensor_types: dict[str, int] = field(default_factory=dict)
     pooling_type: int | None = None  # `<arch>.pooling_type`: set by embedding models that are decoders
+    # (input, output, tied) bytes of the tensors outside the layers (machine/fit.py); None: not from a header
+    other_split: tuple[int, int, int] | None = None
 
     @property
     def parameter_label(self) -> str:
@@ -244,12 +252,10 @@ def _first_int(value: Any) -> int | None:
 
 
 def quant_name(gf: GGUFFile) -> str:
-    from gguf.constants import LlamaFileType
-
     ftype = gf.get("general.file_type")
     if ftype is not None:
         try:
-            return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").replace("ALL_", "")
+            return _constants().LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").replace("ALL_", "")
         except (ValueError, TypeError, OverflowError):  # a crafted or unknown file type: count tensor types
             pass
     counts: dict[str, int] = {}
@@ -294,8 +300,26 @@ def model_info(path: str | Path) -> ModelInfo:
         vocab_size=gf.array_lengths.get("tokenizer.ggml.tokens", 0),
         has_chat_template=bool(template), chat_template=template if isinstance(template, str) else None,
         fim_tokens=fim, size_bytes=gf.file_size, layer_bytes=layer_bytes, other_bytes=other,
-        tensor_types=types, pooling_type=_first_int(gf.arch_get("pooling_type")),
+        tensor_types=types, pooling_type=_first_int(gf.arch_get("pooling_type")), other_split=other_split(gf.tensors),
     )
+
+
+def other_split(tensors: Iterable[TensorInfo]) -> tuple[int, int, int]:
+    """(input, output, tied) bytes of the tensors outside the layers. The token embedding stays on the CPU; the
+    output head moves to the GPU on full offload, where a tied embedding is duplicated (`tied`)."""
+    inp = out = embd = 0
+    has_output = False
+    for t in tensors:
+        if t.name.startswith("blk."):
+            continue
+        if t.name.startswith("token_embd"):
+            embd += t.n_bytes
+        elif t.name.startswith("output"):
+            out += t.n_bytes
+            has_output |= t.name == "output.weight"
+        else:
+            inp += t.n_bytes
+    return inp + embd, out, 0 if has_output else embd
 
 
 # ---- vision projectors (mmproj GGUFs: llama.cpp's mtmd reads them beside the text model) ------------------

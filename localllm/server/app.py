@@ -181,6 +181,11 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
             await run_in_threadpool(state.store.sweep_temporaries)
         except Exception:  # a store that cannot be swept still serves
             logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
+        spare = state.owns_pool and settings.runners  # a runner process waits for the first model (SpareRunner)
+        if spare:
+            from localllm.runtime.runner.host import SPARE
+
+            SPARE.start()
         # the default model loads in the background: the port answers at once (/health: 503 meanwhile)
         loading = asyncio.ensure_future(load_default_model(app)) if state.default_name else None
         yield
@@ -188,6 +193,8 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
             loading.cancel()
         if state.owns_pool:
             state.pool.close()  # engines stop their threads and free the model files
+        if spare:
+            SPARE.stop()
 
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)

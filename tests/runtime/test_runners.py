@@ -22,7 +22,7 @@ from helpers import TINY, Server, install, serving, wait_idle
 
 from localllm.errors import ContextOverflow, InvalidInput, ModelLoadError
 from localllm.runtime.engine.scheduler import Engine
-from localllm.runtime.runner.host import Runner, RunnerCrashed
+from localllm.runtime.runner.host import Runner, RunnerCrashed, SpareRunner
 from localllm.runtime.types import GenerationParams, Request
 
 OTHER = "other:1b"
@@ -112,6 +112,70 @@ def test_a_faulting_runner_fails_its_streams_and_is_replaceable(tiny_path: Path,
         r.submit(greedy("after the crash"))
     assert not psutil.pid_exists(r.pid) or psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE
     r.close()
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_first_load_takes_the_spare_runner_and_later_loads_start_their_own(tiny_path: Path) -> None:
+    """A server starts a runner process before any model is asked for (SpareRunner): the first load skips
+    Python's start and the engine's imports (~0.3 s of a restarted server's first request on 2 cores). It is taken
+    once; the next load starts its own process, as before."""
+    spare = SpareRunner()
+    spare.start()
+    pid = spare.pid
+    assert pid is not None and not _gone(pid)
+    spare.start()  # one spare at most
+    assert spare.pid == pid
+    with Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare) as r, \
+            Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare) as again:
+        assert r.pid == pid and again.pid != pid and spare.pid is None
+        assert r.generate(greedy("hello", 6)).tokens == again.generate(greedy("hello", 6)).tokens
+    assert _gone(pid)
+
+
+def test_a_spare_runner_started_under_other_settings_is_not_taken(tiny_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spare inherited the environment of its start (LOCALLLM_DEBUG, a CUDA device list...): a load under
+    another environment ends it and starts its own. A spare nobody takes ends with stop() (the pool's close)."""
+    spare = SpareRunner()
+    spare.start()
+    first = spare.pid
+    assert first is not None
+    monkeypatch.setenv("LOCALLLM_TEST_SPARE", "1")
+    with Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare) as r:
+        assert r.pid != first and r.generate(greedy("hello", 4)).tokens
+    assert _gone(first)
+    spare.start()
+    second = spare.pid
+    assert second is not None
+    spare.stop()
+    assert spare.pid is None and _gone(second)
+
+
+def _runner_children() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if "localllm.runtime.runner.child" in " ".join(p.cmdline())
+            and p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_a_server_starts_a_spare_runner_its_first_load_takes(tmp_path: Path) -> None:
+    """The server's pool starts the spare with the server; the first request's model runs in it (no other runner
+    process is started), and a spare no model took ends with the server."""
+    from localllm.runtime.runner.host import SPARE
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with serving(tmp_path / "a") as srv:
+        pid = SPARE.pid
+        assert pid is not None and _runner_children() == {pid}
+        r = httpx.post(srv.url + "/completion", json={"model": TINY, "prompt": "hello", "n_predict": 3}, timeout=60)
+        assert r.status_code == 200 and SPARE.pid is None and _runner_children() == {pid}
+    assert _gone(pid)
+    with serving(tmp_path / "b"):
+        idle = SPARE.pid
+        assert idle is not None
+    assert SPARE.pid is None and _gone(idle)
 
 
 # ---- through the server ------------------------------------------------------------------------------

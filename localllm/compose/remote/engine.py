@@ -39,8 +39,7 @@ from localllm.errors import (
     UpstreamUnsupported,
 )
 from localllm.runtime.api import Embeddings, ModelView
-from localllm.runtime.engine.slots import StreamState
-from localllm.runtime.engine.stream import Stream
+from localllm.runtime.engine.stream import Stream, StreamState
 from localllm.runtime.types import Chunk, Image, Request, Timings, Usage
 
 log = logging.getLogger("localllm.remote")

@@ -11,7 +11,8 @@ import random
 from typing import Any
 
 from localllm.errors import InvalidInput
-from localllm.runtime.native.llama import Model, SamplerChain, json_schema_to_gbnf
+from localllm.runtime.native.llama import Model, SamplerChain
+from localllm.runtime.native.schema_grammar import json_schema_to_gbnf
 from localllm.runtime.types import MAX_N_PROBS, GenerationParams, Request
 
 

@@ -38,8 +38,8 @@ from localllm.runtime.engine.prefill_split import (
     with_cuts,
 )
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
-from localllm.runtime.engine.slots import Job, Slot, StopMatcher, StreamState
-from localllm.runtime.engine.stream import Stream
+from localllm.runtime.engine.slots import Job, Slot, StopMatcher
+from localllm.runtime.engine.stream import Stream, StreamState
 from localllm.runtime.native.llama import LLAMA_MAX_SEQ, Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter, step_cost_key
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts

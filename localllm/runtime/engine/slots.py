@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import codecs
-import queue
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from localllm.runtime.engine import probs as token_probs
 from localllm.runtime.engine.media import Span
+from localllm.runtime.engine.stream import StreamState
 from localllm.runtime.native.llama import Context, SamplerChain
 from localllm.runtime.speculative.verify import SpecState
 from localllm.runtime.types import Chunk, Notice, Request, Timings, TokenProbs, Usage
@@ -51,42 +49,6 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
-
-
-class StreamState:
-    """The engine's side of a Stream: the chunk queue and the cancel flag."""
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
-        self.cancelled = threading.Event()
-        self.done = False
-        self.slot: int | None = None  # set by the scheduler when it admits the request, before any chunk
-        self._sink: Callable[[Chunk], None] | None = None
-        self._lock = threading.Lock()
-
-    def put(self, chunk: Chunk) -> None:
-        with self._lock:
-            if chunk.finish_reason is not None:
-                self.done = True
-            if self._sink is not None:
-                self._sink(chunk)
-                return
-            self.queue.put(chunk)
-            if chunk.finish_reason is not None:
-                self.queue.put(None)  # end of stream
-
-    def forward(self, sink: Callable[[Chunk], None]) -> None:
-        """From now on hand each chunk to `sink` on the producer's thread, after the ones already queued
-        (a runner's child sends them on at once: no consumer thread, no extra hop)."""
-        with self._lock:
-            while True:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    sink(item)
-            self._sink = sink
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The consumer side of one request: iterate its chunks (in a thread, or from an event loop), cancel
-it, or collect it.
+"""One request's stream: the engine's side (StreamState: the chunks it puts, the cancel flag it reads) and the
+consumer's (Stream: iterate the chunks in a thread or from an event loop, cancel, or collect them). Neither
+needs llama.cpp, so a server process that runs no model imports this and not the engine.
 
 `achunks` is the one bridge from a blocking chunk stream to asyncio: one small thread per request
 drains the stream into an asyncio.Queue (an executor wait per chunk would tie up the default pool's
@@ -11,13 +12,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from localllm.runtime.engine.slots import StreamState
 from localllm.runtime.types import Chunk, Result
+
+
+class StreamState:
+    """The engine's side of a Stream: the chunk queue and the cancel flag."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.done = False
+        self.slot: int | None = None  # set by the scheduler when it admits the request, before any chunk
+        self._sink: Callable[[Chunk], None] | None = None
+        self._lock = threading.Lock()
+
+    def put(self, chunk: Chunk) -> None:
+        with self._lock:
+            if chunk.finish_reason is not None:
+                self.done = True
+            if self._sink is not None:
+                self._sink(chunk)
+                return
+            self.queue.put(chunk)
+            if chunk.finish_reason is not None:
+                self.queue.put(None)  # end of stream
+
+    def forward(self, sink: Callable[[Chunk], None]) -> None:
+        """From now on hand each chunk to `sink` on the producer's thread, after the ones already queued
+        (a runner's child sends them on at once: no consumer thread, no extra hop)."""
+        with self._lock:
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    sink(item)
+            self._sink = sink
+
 
 _END = object()
 

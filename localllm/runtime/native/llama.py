@@ -94,19 +94,6 @@ def clean_text(text: str) -> str:
     return utf8(text).decode("utf-8")
 
 
-def json_schema_to_gbnf(schema: str) -> str:
-    """JSON schema text → GBNF (llama-cpp-python's pure-Python converter)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf as convert
-
-    try:
-        gbnf = convert(schema)
-    except Exception as exc:  # the converter raises assorted errors on bad schemas
-        raise InvalidInput(f"invalid JSON schema: {exc}") from exc
-    # its string characters admit raw control characters, which JSON forbids (llama.cpp's own converter
-    # excludes them): a model could write a string no JSON parser reads back
-    return gbnf.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
-
-
 @functools.lru_cache(maxsize=1)
 def bindings_version() -> str:
     """llama-cpp-python's version (the llama.cpp it vendors): part of the disk cache's key, shown by doctor."""

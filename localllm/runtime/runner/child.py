@@ -45,6 +45,8 @@ class _Child:
             proto.send(self.out, msg)
 
     def run(self) -> int:
+        with contextlib.suppress(Exception):  # a spare (host.SpareRunner) imports while it waits; an error shows at init
+            import localllm.runtime.engine.scheduler  # noqa: F401
         first = proto.recv(self.inp)
         if first is None or first[0] != "init":
             return 2

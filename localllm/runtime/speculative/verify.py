@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from localllm.errors import InvalidInput
 from localllm.runtime.measured import read_json, write_json
-from localllm.runtime.native.llama import Batch, Context
 from localllm.runtime.types import Request
+
+if TYPE_CHECKING:  # SpecConfig is read where no model runs (compose, the server): no llama.cpp there
+    from localllm.runtime.native.llama import Batch, Context
 
 __all__ = ["DraftTask", "Drafter", "SpecConfig", "SpecState", "StepCost", "plan_length", "verify"]
 
