@@ -177,15 +177,15 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:  # what a killed server or command left in the store (the store's temp-file rule)
-            await run_in_threadpool(state.store.sweep_temporaries)
-        except Exception:  # a store that cannot be swept still serves
-            logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
         spare = state.owns_pool and settings.runners  # a runner process waits for the first model (SpareRunner)
         if spare:
             from localllm.runtime.runner.host import SPARE
 
             SPARE.start()
+        try:  # what a killed server or command left in the store (the store's temp-file rule)
+            await run_in_threadpool(state.store.sweep_temporaries)
+        except Exception:  # a store that cannot be swept still serves
+            logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
         # the default model loads in the background: the port answers at once (/health: 503 meanwhile)
         loading = asyncio.ensure_future(load_default_model(app)) if state.default_name else None
         yield

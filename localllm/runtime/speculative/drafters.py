@@ -302,11 +302,12 @@ def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, thr
             raise InvalidInput("speculative decoding needs a KV cache that can drop a sequence's last tokens; "
                                f"{target_name or ctx.model.path.name} has recurrent memory, which cannot",
                                "run it without --draft/--lookup")
-        key = step_cost_key(cfg, ctx, batch)
-        if cfg.adaptive and not (saved is not None and cost.load(saved, key)):
-            cost.calibrate(ctx, batch, token, cfg.draft_max)
-            if saved is not None:
-                cost.save(saved, key)
+        if cfg.adaptive:
+            key = step_cost_key(cfg, ctx, batch)
+            if saved is None or not cost.load(saved, key):
+                cost.calibrate(ctx, batch, token, cfg.draft_max)
+                if saved is not None:
+                    cost.save(saved, key)
     return drafter, cost
 
 
