@@ -9,8 +9,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
+
+_LOCK = threading.Lock()  # Python's own imports lock per module; a server's worker threads resolve models at once
+_LOADED: dict[str, ModuleType] = {}  # modules whose file ran to its end
 
 
 def standalone(package: str, module: str) -> ModuleType:
@@ -18,23 +22,25 @@ def standalone(package: str, module: str) -> ModuleType:
     loaded this way is not `sys.modules[package.module]`: its classes are its own); imported the usual way where
     the package already is, or where the file cannot be loaded alone."""
     full = f"{package}.{module}"
-    if package not in sys.modules:
-        private = f"localllm._standalone.{full}"
-        if private in sys.modules:
-            return sys.modules[private]
-        try:
-            spec = importlib.util.find_spec(package)  # finds a top-level package without importing it
-            folders = list(spec.submodule_search_locations or ()) if spec is not None else []
-            found = importlib.util.spec_from_file_location(private, Path(folders[0]) / f"{module}.py")
-            if found is not None and found.loader is not None:
-                loaded = importlib.util.module_from_spec(found)
-                sys.modules[private] = loaded  # dataclasses and enums look their module up while it runs
-                try:
-                    found.loader.exec_module(loaded)
-                except BaseException:
-                    del sys.modules[private]
-                    raise
-                return loaded
-        except Exception:  # noqa: BLE001, S110 - the usual import below raises what is really wrong
-            pass
+    with _LOCK:
+        if full in _LOADED:
+            return _LOADED[full]
+        if package not in sys.modules:
+            private = f"localllm._standalone.{full}"
+            try:
+                spec = importlib.util.find_spec(package)  # finds a top-level package without importing it
+                folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+                found = importlib.util.spec_from_file_location(private, Path(folders[0]) / f"{module}.py")
+                if found is not None and found.loader is not None:
+                    loaded = importlib.util.module_from_spec(found)
+                    sys.modules[private] = loaded  # dataclasses and enums look their module up while it runs
+                    try:
+                        found.loader.exec_module(loaded)
+                    except BaseException:
+                        del sys.modules[private]
+                        raise
+                    _LOADED[full] = loaded
+                    return loaded
+            except Exception:  # noqa: BLE001, S110 - the usual import below raises what is really wrong
+                pass
     return importlib.import_module(full)

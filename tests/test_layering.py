@@ -85,6 +85,10 @@ def edges() -> list[Edge]:
                         out.append(Edge(name, target, rest, where))
                 else:
                     out.append(Edge(name, node.module, (), where))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "standalone"
+                  and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)):
+                # localllm/standalone.py loads a dependency's module by name: an import all the same
+                out.append(Edge(name, f"{node.args[0].value}.{node.args[1].value}", (), where))
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ def read_json(path: Path) -> Any:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Written atomically (a reader sees the old file or the new one); an OSError is swallowed."""
-    tmp = path.with_suffix(".tmp")
+    """Written atomically (a reader sees the old file or the new one); an OSError is swallowed. The temporary's name
+    ends in this process's pid and `.tmp`, as the disk tier's (DiskStates sweeps those whose writer is gone), and
+    carries the thread: two engines on one folder do not write into one temporary."""
+    tmp = path.with_name(f"{path.name}.{threading.get_ident()}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(value))
         os.replace(tmp, path)

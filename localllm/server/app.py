@@ -188,13 +188,17 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
             logging.getLogger("localllm.server").exception("sweeping the store's temporaries failed")
         # the default model loads in the background: the port answers at once (/health: 503 meanwhile)
         loading = asyncio.ensure_future(load_default_model(app)) if state.default_name else None
-        yield
-        if loading is not None:
-            loading.cancel()
-        if state.owns_pool:
-            state.pool.close()  # engines stop their threads and free the model files
-        if spare:
-            SPARE.stop()
+        try:
+            yield
+        finally:
+            if loading is not None:
+                loading.cancel()
+            try:
+                if state.owns_pool:
+                    state.pool.close()  # engines stop their threads and free the model files
+            finally:
+                if spare:
+                    SPARE.stop()
 
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)

@@ -400,8 +400,11 @@ class SpareRunner:
 
     def start(self) -> None:
         with self._lock:
-            if self._proc is None:
+            dead = self._proc if self._proc is not None and self._proc.poll() is not None else None
+            if self._proc is None or dead is not None:
                 self._proc, self._env = _spawn(), dict(os.environ)
+        if dead is not None:
+            _end(dead)
 
     @property
     def pid(self) -> int | None:
@@ -411,8 +414,8 @@ class SpareRunner:
     def take(self) -> subprocess.Popen[bytes] | None:
         """The spare, where it still runs under this environment (then it is no longer the spare)."""
         with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None and self._env == dict(os.environ):
+            proc, self._proc, env = self._proc, None, self._env
+        if proc is not None and proc.poll() is None and env == dict(os.environ):
             return proc
         if proc is not None:
             _end(proc)

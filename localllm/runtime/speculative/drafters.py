@@ -5,12 +5,14 @@ See runtime/speculative/verify.py for how the engine plans, verifies and settles
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from localllm.errors import InvalidInput, LocalLLMError, ModelLoadError
+from localllm.machine.probe import cpu_info
 from localllm.runtime.cache.prefix import common_prefix, kv_holds
 from localllm.runtime.native.llama import Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.verify import Drafter, DraftTask, SpecConfig, StepCost
@@ -312,9 +314,12 @@ def make_drafter(cfg: SpecConfig, ctx: Context, batch: Batch, *, slots: int, thr
 
 
 def step_cost_key(cfg: SpecConfig, ctx: Context, batch: Batch) -> dict[str, int | str]:
-    """What a StepCost table's timings depend on beyond the model file and the KV layout."""
-    return {"threads": ctx.n_threads, "cpu_kernels": ctx.model.cpu_kernels, "n_batch": batch.capacity,
-            "n_outputs_max": ctx.n_outputs_max, "draft_max": cfg.draft_max}
+    """What a StepCost table's timings depend on beyond the model file and the KV layout (the disk tier's folder:
+    KV type, window layout, flash attention, GPU layers, llama.cpp's version): this CPU (a cache folder moved or
+    shared), the threads and kernels, the batch shape."""
+    return {"cpu": cpu_info()[0], "cores": os.cpu_count() or 0, "threads": ctx.n_threads,
+            "cpu_kernels": ctx.model.cpu_kernels, "n_batch": batch.capacity, "n_outputs_max": ctx.n_outputs_max,
+            "draft_max": cfg.draft_max}
 
 
 def _can_drop_tail(ctx: Context, batch: Batch, token: int) -> bool:
