@@ -47,7 +47,7 @@ AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")  # Intel AMX, as Linux names it
 def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     """(CPU model name, feature flags) of the first processor. Linux reads /proc/cpuinfo; elsewhere the
     flags are empty (the kernel choice in machine/kernels.py then has nothing to fear)."""
-    model, flags = platform.processor() or platform.machine(), frozenset[str]()
+    model, flags = "", frozenset[str]()  # platform.processor() runs `uname -p` in a subprocess: only where needed
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -61,7 +61,7 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
                     break
     except OSError:
         pass
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags
 
 
 def _nvidia_smi() -> list[Device]:
