@@ -111,7 +111,11 @@ def test_fuzz_tiny_swa_model(swa_path: Path) -> None:
     assert rep.probes >= 80 and rep.requests >= 100
     c = rep.counters
     assert rep.cancelled > 0
-    for k in ("parked", "restored", "copied_prefix", "shifts", "drafted"):  # hits_disk varies with timing
+    # hits_disk and restored vary with timing: this mix restores 0 or 1 parked states a run (its continuations
+    # mostly find their history in a slot), and failed 2 runs in 4 on one machine's slow hour. The restore path is
+    # checked where it is certain: test_runtime_gemma's parked gemma-3 states, the parking and disk-tier tests, and
+    # the hybrid model's fuzz below
+    for k in ("parked", "copied_prefix", "shifts", "drafted"):
         assert c[k] > 0, (k, c)
 
 
