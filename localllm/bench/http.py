@@ -201,8 +201,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(cmd: list[str], env: dict[str, str], ready_url: str, label: str,
-                   timeout: float = 180.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Start `cmd`, wait until `ready_url` answers 200, and always kill it afterwards."""
+                   timeout: float = 180.0, poll: float = 0.2) -> Iterator[subprocess.Popen[bytes]]:
+    """Start `cmd`, wait until `ready_url` answers 200 (asked every `poll` seconds), and always kill it afterwards."""
     with tempfile.TemporaryFile(prefix=f"localllm-bench-{label}-") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
@@ -215,7 +215,7 @@ def server_process(cmd: list[str], env: dict[str, str], ready_url: str, label: s
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{label} did not become ready in {timeout:.0f} s: {_tail(log)}")
-                time.sleep(0.2)
+                time.sleep(poll)
             yield proc
         finally:
             if proc.poll() is None:

@@ -18,7 +18,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,22 +25,10 @@ from pathlib import Path
 
 import httpx
 
-from localllm.bench.http import model_file
+from localllm.bench.http import model_file, server_process
 from localllm.config import paths
 
 PROMPT = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0}
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        time.sleep(0.005)
 
 
 def _rss_mib(pid: int) -> float:
@@ -51,18 +38,13 @@ def _rss_mib(pid: int) -> float:
 
 def restart(cmd: list[str], env: dict[str, str], port: int, model: str) -> tuple[float, str, float]:
     """(ms from the start to the completion, its text, the server process's RSS in MiB after it)."""
+    url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, proc)
+    with server_process(cmd, env, url + "/health", cmd[0], poll=0.005) as proc:  # ready is timed to ~5 ms
         r = httpx.post(url + "/completion", json={"model": model, **PROMPT}, timeout=300)
         r.raise_for_status()
         ms = (time.perf_counter() - t0) * 1000
         return ms, r.json()["content"], _rss_mib(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def main() -> None:
