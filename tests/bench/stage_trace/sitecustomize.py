@@ -29,8 +29,9 @@ STAGES: dict[str, list[tuple[str | None, str, str]]] = {
     "localllm.runtime.engine.scheduler": [("Engine", "_admit", "admit"), ("Engine", "_on_token", "token")],
     "localllm.runtime.cache.parking": [("Parking", "best", "best"), ("Parking", "restore", "restore"),
                                        ("Parking", "clear_idle", "clear_idle"), ("Parking", "park", "park"),
-                                       ("Parking", "_checkpoints", "ckpts")],
-    "localllm.runtime.cache.disk": [("DiskStates", "put", "diskput")],
+                                       ("Parking", "_checkpoints", "ckpts"), ("Parking", "_cut_state", "cut")],
+    "localllm.runtime.cache.disk": [("DiskStates", "put", "diskput"), ("DiskStates", "holds", "holds")],
+    "localllm.runtime.cache.prefix": [("StateLRU", "put", "ramput")],
     "localllm.runtime.native.llama": [("Context", "decode", "decode"), ("Context", "state_seq_get", "get")],
 }
 
