@@ -107,6 +107,11 @@ class Settings:
     # is cheap: with the window, a client that edits an earlier message, or an editor's fill-in-the-middle
     # request after an edit, reuses only up to the nearest checkpoint (docs/benchmarks.md, issue 32)
     swa_full: bool | None = None
+    # the weights mapped from the GGUF file (true, llama.cpp's default: loaded at once, shared with the page cache) or
+    # read into the runner's memory (false: llama-server's --no-mmap, Ollama's options.use_mmap). Read into memory on
+    # Linux, a runner asks glibc for transparent huge pages: on a 2-core KVM guest gemma-3-270m decoded 0-9 % faster
+    # back to back and 7-30 % faster after a user's pause, but loaded in 2.7x the time (docs/benchmarks.md)
+    mmap: bool = True
     # llama-server's --cache-reuse N: after the prefix a prompt shares with a slot's history, runs of at least N
     # cached tokens the prompt keeps while dropping what came before them are moved (KV shift), not prefilled
     # again. Approximate (their KV was computed after the dropped tokens); 0 off, as llama-server's default.
@@ -299,6 +304,7 @@ RULES: dict[str, Rule] = {
     "prefix_cache_bytes": Rule("int", 0),
     "resident_histories": Rule("bool"),
     "swa_full": Rule("bool", optional=True),
+    "mmap": Rule("bool"),
     "cache_reuse": Rule("int", 0, 1 << 20),
     "prompt_cache_disk_bytes": Rule("int", 0),
     "supersede": Rule("bool"),

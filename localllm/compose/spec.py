@@ -97,6 +97,17 @@ def template_override(fmt: ChatFormat, value: str, model: Any) -> ChatFormat:
     return dataclasses.replace(fmt, template=source, template_name=f"file:{path.name}", stops=[])
 
 
+# the request options (Ollama's `options`) that choose how a model is loaded: a new value loads it again
+POOL_OPTIONS = ("num_ctx", "num_thread", "num_gpu", "num_batch", "use_mmap")
+
+
+def _bool_option(options: dict[str, Any], key: str) -> bool | None:
+    value = options.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"options.{key} must be true or false, got {value!r}")
+    return value
+
+
 def _int_option(options: dict[str, Any], key: str, lo: int = 1, hi: int = 1 << 30) -> int | None:
     value = options.get(key)
     if value is None:
@@ -188,6 +199,9 @@ class Composer:
                 self._plans[key] = kwargs
         size, vram = kwargs.get("_size", 0), kwargs.get("_vram", 0)
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
+        mapped = _bool_option(options, "use_mmap")
+        if not (s.mmap if mapped is None else mapped):  # read into memory (runtime/runner/host.py: huge pages)
+            kwargs["use_mmap"] = False
         spec, draft_size = self.speculation(man)
         if spec is not None:
             kwargs["spec"], kwargs["name"] = spec, man.name

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -154,6 +155,39 @@ def test_a_spare_runner_started_under_other_settings_is_not_taken(tiny_path: Pat
     assert spare.pid is None and _gone(second)
 
 
+def test_weights_read_into_memory_get_huge_pages_in_a_runner_of_their_own(tiny_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`use_mmap` false (the `mmap` setting, Ollama's options.use_mmap): llama.cpp reads the weights into memory, and
+    on Linux the runner starts with glibc's hugetlb tunable, which advises that memory into transparent huge pages
+    (glibc reads it at a process's start: the spare, started without it, is not taken). The answers are the mapped
+    runner's. A tunable the user set stands."""
+    from localllm.runtime.runner.host import runner_env
+
+    linux = sys.platform.startswith("linux")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert runner_env({}) == {} and runner_env({"use_mmap": True}) == {}
+    assert runner_env({"use_mmap": False}) == ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if linux else {})
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert runner_env({"use_mmap": False}) == (
+        {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"} if linux else {})
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert runner_env({"use_mmap": False}) == {}
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    spare = SpareRunner()
+    spare.start()
+    with Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare, use_mmap=False) as read, \
+            Runner(tiny_path, n_ctx=512, slots=1, threads=1) as mapped:
+        assert read.pid != spare.pid and spare.pid is not None  # not taken: it stays the spare
+        assert read.generate(greedy("hello", 8)).tokens == mapped.generate(greedy("hello", 8)).tokens
+        if linux:
+            env = psutil.Process(read.pid).environ()
+            assert env.get("GLIBC_TUNABLES") == "glibc.malloc.hugetlb=1"
+            assert "GLIBC_TUNABLES" not in psutil.Process(mapped.pid).environ()
+            maps = [m.path for m in psutil.Process(mapped.pid).memory_maps()]
+            assert str(tiny_path) in maps and str(tiny_path) not in [m.path for m in psutil.Process(read.pid).memory_maps()]
+    spare.stop()
+
+
 def _runner_children() -> set[int]:
     out = set()
     for p in psutil.Process().children():
@@ -199,6 +233,34 @@ def _runner(srv: Server, name: str) -> Runner:
     engine = srv.app.state.server.pool.engine_for(name)
     assert isinstance(engine, Runner)
     return engine
+
+
+def _maps(pid: int, path: Path) -> bool:
+    return any(m.path == str(path.resolve()) for m in psutil.Process(pid).memory_maps())
+
+
+def test_ollama_use_mmap_and_the_mmap_setting_choose_how_weights_load(two: Server, tmp_path: Path) -> None:
+    """Ollama's options.use_mmap false loads the model again with its weights read into memory (llama.cpp maps no
+    file), as its other load options do; a value that is not a boolean is the client's error; the `mmap` setting
+    does the same for every model."""
+    def blob(srv: Server) -> Path:
+        store = srv.app.state.server.store
+        return store.blob_path(store.get(TINY).digest)
+
+    body = {"model": TINY, "prompt": "x", "stream": False, "options": {"num_predict": 2}}
+    assert httpx.post(two.url + "/api/generate", json=body, timeout=60).status_code == 200
+    assert _maps(_runner(two, TINY).pid, blob(two))
+    body["options"]["use_mmap"] = False
+    r = httpx.post(two.url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["eval_count"] == 2
+    assert not _maps(_runner(two, TINY).pid, blob(two))
+    body["options"]["use_mmap"] = "no"
+    r = httpx.post(two.url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "options.use_mmap must be true or false" in r.json()["error"]
+    (tmp_path / "read").mkdir()
+    with serving(tmp_path / "read", mmap=False) as srv:
+        r = httpx.post(srv.url + "/completion", json={"model": TINY, "prompt": "x", "n_predict": 2}, timeout=60)
+        assert r.status_code == 200 and not _maps(_runner(srv, TINY).pid, blob(srv))
 
 
 def _stream_until_first_token(url: str, body: dict, started: threading.Event, out: list) -> None:

@@ -132,7 +132,8 @@ class Runner(ThreadSubmit):
         self._lock = threading.Lock()
         self._wlock = threading.Lock()  # one writer at a time on the runner's stdin
         self._closing = False
-        self._proc = (spare or SPARE).take() or _spawn()  # the server's spare process, where it has one
+        extra = runner_env(engine_kwargs)  # a spare started without it is not taken
+        self._proc = (None if extra else (spare or SPARE).take()) or _spawn(extra)  # the server's spare, if any
         self.pid = self._proc.pid
         ready = self._expect("ready")
         threads = [threading.Thread(target=t, name=n, daemon=True) for t, n in
@@ -379,10 +380,24 @@ class Runner(ThreadSubmit):
         return "\n    ".join(tail) if tail else "(llama.cpp logged nothing)"
 
 
-def _spawn() -> subprocess.Popen[bytes]:
+def runner_env(engine_kwargs: dict[str, Any]) -> dict[str, str]:
+    """What a model's runner adds to this process's environment. Weights read into memory (`use_mmap` false) go in
+    transparent huge pages on Linux: glibc's hugetlb tunable advises its large allocations into them, llama.cpp's
+    weights among them (a tunable a process reads at its start, so only a runner of its own gets it). A tunable the
+    user set stands; glibc without it, and other C libraries, ignore it."""
+    if engine_kwargs.get("use_mmap", True) or not sys.platform.startswith("linux"):
+        return {}
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return {}
+    return {"GLIBC_TUNABLES": ":".join(filter(None, (tunables, "glibc.malloc.hugetlb=1")))}
+
+
+def _spawn(extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A runner process, waiting for the model its host sends (`init`)."""
     return subprocess.Popen([sys.executable, "-m", "localllm.runtime.runner.child"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {})),
                             start_new_session=True)  # Ctrl-C reaches the host, which ends runners in order
 
 

@@ -20,6 +20,7 @@ from localllm.compose import media
 from localllm.compose.plan import Plan
 from localllm.compose.pool import parse_keep_alive
 from localllm.compose.requests import Options
+from localllm.compose.spec import POOL_OPTIONS
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Result
 from localllm.server.core.embeddings import embed_texts
@@ -29,7 +30,6 @@ from localllm.server.core.wire import Body, error_text, notice_dict, rfc3339
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
-POOL_OPTIONS = ("num_ctx", "num_thread", "num_gpu", "num_batch")
 
 
 class _GenCommon(Body):

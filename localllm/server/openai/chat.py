@@ -34,6 +34,7 @@ from localllm.compose.pipeline import amerge
 from localllm.compose.plan import Plan
 from localllm.compose.reply import Delta, finish_word
 from localllm.compose.requests import PARAM_KEYS, Options, n_choices
+from localllm.compose.spec import POOL_OPTIONS
 from localllm.config import model_names
 from localllm.errors import InvalidInput
 from localllm.runtime.types import Result, Usage
@@ -142,7 +143,7 @@ SYSTEM_FINGERPRINT = "b{}-localllm-{}".format(*(_dist_version(d) for d in ("llam
 
 # ---- handler (transport-free) ----------------------------------------------------------------------
 def _options(body: _Common) -> dict[str, Any]:
-    opts = {k: v for k, v in (body.options or {}).items() if k in ("num_ctx", "num_thread", "num_gpu", "num_batch")}
+    opts = {k: v for k, v in (body.options or {}).items() if k in POOL_OPTIONS}
     if body.n_ctx is not None:
         opts["num_ctx"] = body.n_ctx
     return opts
