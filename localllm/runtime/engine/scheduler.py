@@ -40,6 +40,7 @@ from localllm.runtime.engine.prefill_split import (
 from localllm.runtime.engine.sampling import build_chain, grammar_for, validate
 from localllm.runtime.engine.slots import Job, Slot, StopMatcher
 from localllm.runtime.engine.stream import Stream, StreamState
+from localllm.runtime.native import heap
 from localllm.runtime.native.llama import LLAMA_MAX_SEQ, Batch, Context, Model, NoKVSlot
 from localllm.runtime.speculative.drafters import make_drafter, step_cost_key
 from localllm.runtime.speculative.drafting import collect_drafts, settle_drafts
@@ -88,6 +89,7 @@ class Engine(ThreadSubmit):
                  mmproj: str | Path | None = None, cache_reuse: int = 0, resident: bool = True) -> None:
         if slots < 1:
             raise InvalidInput(f"slots must be >= 1, got {slots}")
+        heap.keep_freed_blocks()  # parked states and checkpoints reuse freed states' pages (native/heap.py)
         self.model = Model(model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, cpu_kernels=cpu_kernels, rpc=rpc)
         self._embedder: Any = None  # runtime/native/embed.py Embedder, made by the first embed()
         self._embed_lock = threading.Lock()

@@ -1,0 +1,48 @@
+"""Freed sequence states' pages are reused by the next state (runtime/native/heap.py): counted in page faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                                reason="glibc's malloc only")
+
+# on a thread (the engine's scheduler thread: a malloc arena of its own), blocks sized as a chat's parked states that
+# grow by a turn each time, each written whole (a state copy) and freed (restored, evicted) before the next
+_FAULTS = """
+import resource, sys, threading
+{setup}
+out = []
+def run():
+    b = b"x" * (12 << 20); del b  # the first block's pages are fresh either way
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(8):
+        b = b"x" * ((12 << 20) + i * (256 << 10)); del b
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+t = threading.Thread(target=run); t.start(); t.join()
+print(out[0])
+"""
+
+
+def _faults(setup: str) -> int:
+    run = subprocess.run([sys.executable, "-c", _FAULTS.format(setup=setup)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return int(run.stdout.split()[-1])
+
+
+def test_freed_state_blocks_are_reused_not_faulted_in_again() -> None:
+    # glibc's default: every growing block is a fresh mapping, ~3 100 page faults each
+    without = _faults("")
+    assert without > 8 * 2000
+    kept = _faults("from localllm.runtime.native import heap; assert heap.keep_freed_blocks()")
+    assert kept < without / 10  # only each block's growth past the last one is fresh
+
+
+def test_an_engine_process_keeps_freed_state_blocks(tiny_path: Path) -> None:
+    setup = (f"from localllm.runtime.engine.scheduler import Engine; e = Engine({str(tiny_path)!r}, n_ctx=256, slots=1)")
+    assert _faults(setup) < 8 * 2000 / 10
