@@ -178,6 +178,8 @@ def run(model: str, prompt: str | None, ctx: int | None, slots: int, threads: in
     kwargs, _ = engine_kwargs(model_info(path), slots=slots, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               kv_type=kv_type, cpu_kernels=cpu_kernels or settings.cpu_kernels, swa_full=settings.swa_full,
                               projector=projector_info(projector) if projector is not None else None)
+    if not settings.mmap:  # the weights read into memory, as the server's runners load them
+        kwargs["use_mmap"] = False
     if draft or lookup:
         from localllm.runtime.speculative.verify import SpecConfig
 

@@ -179,9 +179,12 @@ def create_app(settings: Settings | None = None, *, store: Any = None, catalog: 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         spare = state.owns_pool and settings.runners  # a runner process waits for the first model (SpareRunner)
         if spare:
-            from localllm.runtime.runner.host import SPARE
+            from localllm.runtime.runner.host import SPARE, runner_env
 
-            SPARE.start()
+            # a model read into memory (the mmap setting off) gets a runner of its own: no spare would be taken
+            spare = not runner_env({"use_mmap": settings.mmap})
+            if spare:
+                SPARE.start()
         try:  # what a killed server or command left in the store (the store's temp-file rule)
             await run_in_threadpool(state.store.sweep_temporaries)
         except Exception:  # a store that cannot be swept still serves

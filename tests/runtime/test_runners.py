@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -173,19 +174,24 @@ def test_weights_read_into_memory_get_huge_pages_in_a_runner_of_their_own(tiny_p
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
     assert runner_env({"use_mmap": False}) == {}
     monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setattr(sys, "platform", "darwin")  # elsewhere glibc's tunable means nothing: the spare is taken
+    assert runner_env({"use_mmap": False}) == {}
+    monkeypatch.undo()
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     spare = SpareRunner()
     spare.start()
-    with Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare, use_mmap=False) as read, \
-            Runner(tiny_path, n_ctx=512, slots=1, threads=1) as mapped:
-        assert read.pid != spare.pid and spare.pid is not None  # not taken: it stays the spare
-        assert read.generate(greedy("hello", 8)).tokens == mapped.generate(greedy("hello", 8)).tokens
-        if linux:
-            env = psutil.Process(read.pid).environ()
-            assert env.get("GLIBC_TUNABLES") == "glibc.malloc.hugetlb=1"
-            assert "GLIBC_TUNABLES" not in psutil.Process(mapped.pid).environ()
-            maps = [m.path for m in psutil.Process(mapped.pid).memory_maps()]
-            assert str(tiny_path) in maps and str(tiny_path) not in [m.path for m in psutil.Process(read.pid).memory_maps()]
-    spare.stop()
+    try:
+        with Runner(tiny_path, n_ctx=512, slots=1, threads=1, spare=spare, use_mmap=False) as read, \
+                Runner(tiny_path, n_ctx=512, slots=1, threads=1) as mapped:
+            assert read.pid != spare.pid and spare.pid is not None  # not taken: it stays the spare
+            assert read.generate(greedy("hello", 8)).tokens == mapped.generate(greedy("hello", 8)).tokens
+            if linux:
+                env = psutil.Process(read.pid).environ()
+                assert env.get("GLIBC_TUNABLES") == "glibc.malloc.hugetlb=1"
+                assert "GLIBC_TUNABLES" not in psutil.Process(mapped.pid).environ()
+                assert _maps(mapped.pid, tiny_path) and not _maps(read.pid, tiny_path)
+    finally:
+        spare.stop()
 
 
 def _runner_children() -> set[int]:
@@ -247,18 +253,31 @@ def test_ollama_use_mmap_and_the_mmap_setting_choose_how_weights_load(two: Serve
         store = srv.app.state.server.store
         return store.blob_path(store.get(TINY).digest)
 
-    body = {"model": TINY, "prompt": "x", "stream": False, "options": {"num_predict": 2}}
-    assert httpx.post(two.url + "/api/generate", json=body, timeout=60).status_code == 200
-    assert _maps(_runner(two, TINY).pid, blob(two))
-    body["options"]["use_mmap"] = False
-    r = httpx.post(two.url + "/api/generate", json=body, timeout=60)
-    assert r.status_code == 200 and r.json()["eval_count"] == 2
-    assert not _maps(_runner(two, TINY).pid, blob(two))
-    body["options"]["use_mmap"] = "no"
-    r = httpx.post(two.url + "/api/generate", json=body, timeout=60)
+    def generate(**options: Any) -> int:  # the pid of the runner that answered
+        body = {"model": TINY, "prompt": "x", "stream": False, "options": {"num_predict": 2, **options}}
+        r = httpx.post(two.url + "/api/generate", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["eval_count"] == 2
+        return _runner(two, TINY).pid
+
+    mapped = generate()
+    assert _maps(mapped, blob(two)) and generate(use_mmap=True) == mapped  # the server's own choice: no reload
+    read = generate(use_mmap=False)
+    assert read != mapped and not _maps(read, blob(two))
+    assert generate(use_mmap=False) == read  # the same option again: the same runner
+    back = generate()  # without it, the server's setting again (as num_ctx)
+    assert back != read and _maps(back, blob(two))
+    # the OpenAI door reads the same load options
+    r = httpx.post(two.url + "/v1/completions", json={"model": TINY, "prompt": "x", "max_tokens": 2,
+                                                       "options": {"use_mmap": False}}, timeout=60)
+    assert r.status_code == 200 and not _maps(_runner(two, TINY).pid, blob(two))
+    bad = {"model": TINY, "prompt": "x", "stream": False, "options": {"use_mmap": "no"}}
+    r = httpx.post(two.url + "/api/generate", json=bad, timeout=60)
     assert r.status_code == 400 and "options.use_mmap must be true or false" in r.json()["error"]
     (tmp_path / "read").mkdir()
+    from localllm.runtime.runner.host import SPARE
+
     with serving(tmp_path / "read", mmap=False) as srv:
+        assert SPARE.pid is None or not sys.platform.startswith("linux")  # no spare that no model would take
         r = httpx.post(srv.url + "/completion", json={"model": TINY, "prompt": "x", "n_predict": 2}, timeout=60)
         assert r.status_code == 200 and not _maps(_runner(srv, TINY).pid, blob(srv))
 

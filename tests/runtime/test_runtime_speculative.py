@@ -112,6 +112,22 @@ def test_incompatible_draft_is_refused_naming_both_models(tiny_path: Path, tmp_p
     assert "tiny:draft" in msg and "tiny:target" in msg and "vocabulary sizes differ" in msg
 
 
+def test_a_draft_model_loads_as_its_target_mapped_or_read(tiny_path: Path, tmp_path: Path) -> None:
+    """use_mmap false reads the draft's weights into memory too (llama-server's --no-mmap covers both models)."""
+    import shutil
+
+    def mapped(path: Path) -> bool:
+        return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+    for use_mmap in (False, True):
+        draft = shutil.copy(tiny_path, tmp_path / f"draft-{use_mmap}.gguf")  # a file no other test maps
+        with Engine(tiny_path, n_ctx=256, slots=1, use_mmap=use_mmap,
+                    spec=SpecConfig(draft_model=draft, adaptive=False)) as engine:
+            assert engine.generate(Request("hello", max_tokens=4, params=GREEDY)).tokens
+            if Path("/proc/self/maps").exists():
+                assert mapped(draft) is use_mmap
+
+
 # ---- greedy: drafted output is the plain output --------------------------------------------------
 @pytest.mark.parametrize("kind", ["lookup", "perfect", "random", "lookup+perfect"])
 def test_greedy_drafted_output_equals_plain(kind: str, tiny_path: Path, random_draft: Path) -> None:

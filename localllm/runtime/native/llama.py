@@ -160,6 +160,7 @@ class Model:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers = int(n_gpu_layers)
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if use_mmap else lc.LLAMA_LOAD_MODE_NONE
+        self.use_mmap = use_mmap  # a draft model loads as its target does
         self._devices = rpc_workers.devices(rpc) if rpc else None  # offload to RPC workers; kept past the load
         params.devices = ctypes.cast(self._devices, ctypes.c_void_p) if rpc else params.devices
         self.cpu_kernels, self.cpu_kernels_reason = kernels_for_load(cpu_kernels)

@@ -112,7 +112,7 @@ class DraftModel:
     def __init__(self, path: str | Path, target: Model, *, n_ctx: int, slots: int, n_batch: int = 512,
                  threads: int | None = None, n_gpu_layers: int = 0, kv_type: str = "f16",
                  target_name: str = "", draft_name: str = "") -> None:
-        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        self.model = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=target.use_mmap)
         try:
             check_vocab(target, self.model, target_name, draft_name or Path(path).name)
             self.ctx = Context(self.model, n_ctx=n_ctx, n_seq_max=slots, n_batch=n_batch, n_threads=threads,

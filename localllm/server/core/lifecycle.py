@@ -77,7 +77,10 @@ async def acquire(state: ServerState, name: Any, *, options: dict[str, Any] | No
     except ModelLoadError as exc:
         if options:  # the client's num_ctx / num_batch / ... did not fit: its request is what is wrong
             asked = ", ".join(f"{k}={v}" for k, v in options.items())
-            raise InvalidInput(f"could not load {name} with {asked}", "ask for a smaller context or batch") from None
+            hint = "ask for a smaller context or batch"
+            if "use_mmap" in options:  # reading the weights into memory needs RAM for the whole file
+                hint += ", or leave use_mmap unset (the file mapped, not read into memory)"
+            raise InvalidInput(f"could not load {name} with {asked}", hint) from None
         if "/" in exc.message or "\\" in exc.message:  # never show a client where the files live
             raise ModelLoadError(f"could not load {name}", "see the server log") from None
         raise

@@ -5,7 +5,8 @@
 Wire models (pydantic) → a transport-free handler building a runtime Request → a thin router that
 renders the Chunk stream as a JSON body or Server-Sent Events. Extra fields are accepted the way
 llama-server accepts them: top_k, min_p, repeat_penalty, and the context size per request as
-`n_ctx` or `options.num_ctx` (reloads the model with that context, like Ollama's num_ctx), and a GBNF
+`n_ctx` or `options.num_ctx` (reloads the model with that context, like Ollama's num_ctx; Ollama's other load
+options too: compose/spec.py POOL_OPTIONS), and a GBNF
 `grammar`. Like llama-server, a request that names no model, or a model that is not installed, is
 answered by the server's model when that choice is clear (`lifecycle.default_model`); the response's
 `model` says which one answered. Chat and completion responses carry llama-server's `timings` (in a
