@@ -6,7 +6,7 @@ ChatML text over /completion with no pause), with every server and runner proces
 stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
 median, min and max of each stage in ms.
 
-    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion]
+    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion] [--each]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ ROWS = (("client to the handler", "send", "handler>"), ("  of it: client to the 
         ("  of admission: restore it", "restore", None),
         ("to the decode", "admit<", "decode>"), ("prompt decode", "decode>", "decode<"),
         ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),
-        ("TTFT", "send", "first"))
+        ("TTFT", "send", "first"), ("after the reply: its next turn opened", "ahead", None))
 
 def requests(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
     """Per request (from its "send" on): the first time of each tag, and the summed time spent in each part."""
@@ -70,15 +70,18 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3:270m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--completion", action="store_true", help="the /completion revisits (ChatML text, no pause)")
+    ap.add_argument("--each", action="store_true", help="also every revisit's figures, in order")
     a = ap.parse_args()
     trace = Path(tempfile.mkdtemp()) / "stages.log"
     sink = trace.open("a", buffering=1)
     real_ask, real_ask_chat = w.ask, w.ask_chat
+    computed: list[int] = []  # prompt tokens each request computed (not from the cache)
 
     async def stamped(asking: Any) -> w.Reply:
         t0 = time.perf_counter()
         sink.write(f"{t0:.6f} {os.getpid()} client send\n")
         reply = await asking
+        computed.append(reply.prompt_tokens - reply.cached)
         sink.write(f"{t0 + reply.ttft_ms / 1000:.6f} {os.getpid()} client first\n")
         return reply
 
@@ -112,6 +115,10 @@ def main() -> None:
     print(f"{len(revisits)} revisits, ms   {'p50':>7} {'min':>7} {'max':>7}")
     rows = [(label, [r["parts"].get(x, 0.0) for r in revisits] if b is None
              else [r[b] - r[x] for r in revisits if x in r and b in r]) for label, x, b in ROWS]
+    if a.each:
+        for label, xs in rows:
+            print(label.strip(), " ".join(f"{1000 * x:.0f}" for x in xs))
+        print("prompt tokens computed, every request:", " ".join(map(str, computed)))
     for label, xs in rows:
         if xs:
             ms = [1000 * x for x in xs]

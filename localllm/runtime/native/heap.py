@@ -1,10 +1,11 @@
 """Keep the memory of freed sequence states in this process (Linux, glibc), so that parking the next one does not
 fault in fresh pages.
 
-A parked state is one large block (12 MiB for 960 tokens of gemma-3-270m). glibc serves a block above its mmap
+A parked state is one large block (10 MiB for 900 tokens of gemma-3-270m). glibc serves a block above its mmap
 threshold with a mapping of its own and unmaps it when freed; its dynamic threshold rises only to the largest block
 freed so far, and a chat's states grow with every turn, so each new one is a fresh mapping again. Its first touch
-faults in every 4 KiB page: 7.5 ms for that 12 MiB copy on a KVM guest (AMD EPYC), 1.7 ms once the pages are reused.
+faults in every 4 KiB page: 7.3 ms for a 12.5 MiB copy on a KVM guest (AMD EPYC), 1.3 ms once the pages are
+reused (tests/bench/state_copy.py).
 With the threshold fixed at glibc's ceiling (32 MiB) and a 64 MiB top pad (a thread arena's heap is neither trimmed
 nor unmapped below it), freed states go back to the arena and the next one reuses their pages. What it costs: the
 process keeps that freed memory (bounded by the RAM tier's budget plus the pad) instead of returning it. A state
