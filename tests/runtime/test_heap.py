@@ -46,3 +46,30 @@ def test_freed_state_blocks_are_reused_not_faulted_in_again() -> None:
 def test_an_engine_process_keeps_freed_state_blocks(tiny_path: Path) -> None:
     setup = (f"from localllm.runtime.engine.scheduler import Engine; e = Engine({str(tiny_path)!r}, n_ctx=256, slots=1)")
     assert _faults(setup) < 8 * 2000 / 10
+
+
+def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
+    """A state above glibc's mmap ceiling is a fresh mapping: prefault puts its pages in place before llama.cpp writes
+    it, so the writes take no page faults (where Linux has MADV_POPULATE_WRITE; elsewhere it says it did nothing)."""
+    import ctypes
+    import mmap
+    import resource
+
+    from localllm.runtime.native import heap
+
+    def write_faults(populate: bool) -> tuple[bool, int]:
+        block = mmap.mmap(-1, 36 << 20)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        done = heap.prefault(address, len(block)) if populate else False
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ctypes.memset(address, 1, len(block))
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return done, faults
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not (thp.exists() and "[always]" in thp.read_text()):  # else 2 MiB pages: a few faults either way
+        assert write_faults(False)[1] > 4000  # 9 216 pages of 4 KiB
+    done, faults = write_faults(True)
+    if not done:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert faults < 100

@@ -9,7 +9,8 @@ reused (tests/bench/state_copy.py).
 With the threshold fixed at glibc's ceiling (32 MiB) and a 64 MiB top pad (a thread arena's heap is neither trimmed
 nor unmapped below it), freed states go back to the arena and the next one reuses their pages. What it costs: the
 process keeps that freed memory (bounded by the RAM tier's budget plus the pad) instead of returning it. A state
-above 32 MiB is still mapped on its own (glibc refuses a higher threshold).
+above 32 MiB is still mapped on its own (glibc refuses a higher threshold): `prefault` then faults its pages in
+with one call (MADV_POPULATE_WRITE, Linux 5.14) instead of one trap per page: 19 ms -> 13 ms for 36 MiB there.
 
 ctypes on libc only.
 """
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import sys
+from typing import Any
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14 (asm-generic/mman-common.h); EINVAL before
 M_TOP_PAD = -2  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it: half of a thread arena's 64 MiB heap
@@ -46,3 +50,25 @@ def _is_glibc() -> bool:
         return os.confstr("CS_GNU_LIBC_VERSION") is not None
     except (ValueError, OSError):
         return False
+
+
+def prefault(address: int, size: int) -> bool:
+    """Fault in the pages of a block about to be written whole (a state copy into a fresh mapping): one madvise
+    call instead of a trap per 4 KiB page. Only the whole pages inside the block; nothing where Linux has no
+    MADV_POPULATE_WRITE (it refuses: the writes fault the pages in as before). True where the pages were faulted in."""
+    madvise = _madvise()
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + size) // page * page
+    return madvise is not None and end > start and madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise

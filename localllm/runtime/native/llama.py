@@ -22,7 +22,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from localllm.errors import EngineError, InvalidInput, ModelLoadError
-from localllm.runtime.native import cpu_guard
+from localllm.runtime.native import cpu_guard, heap
 from localllm.runtime.native import rpc as rpc_workers
 from localllm.runtime.native.pieces import PIECES_FROM, TOKENIZERS, PieceCache, read_specials
 from localllm.runtime.types import MEDIA_MARKER
@@ -614,6 +614,8 @@ class Context:
         if size is None:
             size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
+        if size > heap.MMAP_THRESHOLD:  # a fresh mapping of its own: its pages faulted in at once
+            heap.prefault(ctypes.cast(_bytes_ptr(data), ctypes.c_void_p).value or 0, size)
         n = lc.llama_state_seq_get_data_ext(self._p, _bytes_ptr(data), size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")
