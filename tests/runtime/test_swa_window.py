@@ -251,3 +251,37 @@ def test_every_sequence_id_a_slot_leaves_parking_without_prefix_cuts(swa_path: P
         assert e._parked.scratch is None
         r = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True))
     assert r.tokens == _fresh(swa_path, p, 8)
+
+
+def test_no_prefix_state_is_cut_for_a_disk_queue_that_would_refuse_it(swa_path: Path, tmp_path: Path) -> None:
+    """With full-size SWA layers, parking cuts the last prompt's states 32, 128 and 512 tokens before its end for the
+    disk tier. While the disk is behind (its write queue full: an engine computing back to back) put refuses them, so
+    they are not cut: a state copy each on the admission's path for nothing. Fails before: 5 copies, not 2."""
+    import threading
+
+    doc = _prompt(7, 700)
+    with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16,
+                disk_cache=(tmp_path / "states", 1 << 30, 16)) as e:
+        e.generate(Request(doc, GREEDY, max_tokens=4, ignore_eos=True))
+        disk = e._parked.disk
+        assert disk is not None
+        disk.flush()
+        release = threading.Event()
+        disk._write = lambda *item: release.wait(30)  # type: ignore[method-assign]  # a disk that fell behind
+        disk.max_queued_bytes = 1
+        assert disk.put(list(range(100, 140)), b"x" * 4096)  # the one write in flight
+        copies = []
+        real = e.ctx.state_seq_get
+        e.ctx.state_seq_get = lambda *a, **k: copies.append(1) or real(*a, **k)  # type: ignore[method-assign]
+        try:
+            e.generate(Request(_prompt(8, 100), GREEDY, max_tokens=2, ignore_eos=True))  # takes the slot: parks doc
+        finally:
+            release.set()
+        assert len(copies) == 2  # the history for RAM, and its prompt's end (a regenerate) for RAM too
+    with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16) as e:  # no disk: the same
+        e.generate(Request(doc, GREEDY, max_tokens=4, ignore_eos=True))
+        copies = []
+        real = e.ctx.state_seq_get
+        e.ctx.state_seq_get = lambda *a, **k: copies.append(1) or real(*a, **k)  # type: ignore[method-assign]
+        e.generate(Request(_prompt(8, 100), GREEDY, max_tokens=2, ignore_eos=True))
+        assert len(copies) == 2

@@ -197,7 +197,7 @@ class Parking:
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
-        self._checkpoints(slot, keep, in_ram)  # before the full state: RAM drops prefixes it makes redundant
+        self._checkpoints(slot, keep, in_ram, len(blob))  # before the full state: RAM drops prefixes it makes redundant
         if self.disk is not None:
             self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
@@ -205,13 +205,15 @@ class Parking:
         self.count += in_ram
         return in_ram
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool) -> None:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int) -> None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
         its reply trimmed or regenerated; in RAM and on disk), and on disk — what a restart finds — cut 32, 128
         and 512 tokens before its end (the same document, a new question). Each is a state copy on the scheduler
-        thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk."""
+        thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk, and not
+        for the disk while its write queue would refuse a state of the history's size (`nbytes`, a prefix's at most:
+        the engine computing back to back, 32 cuts were copied and 36 of its 40 states put then refused)."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
             return
         n = len(slot.tokens)
@@ -225,7 +227,7 @@ class Parking:
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
                 continue
-            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c])
+            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c]) and self.disk.takes(nbytes)
             to_ram = ram and c == end
             blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:
