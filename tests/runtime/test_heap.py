@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confs
 # on a thread (the engine's scheduler thread: a malloc arena of its own), blocks sized as a chat's parked states that
 # grow by a turn each time, each written whole (a state copy) and freed (restored, evicted) before the next
 _FAULTS = """
-import resource, sys, threading
+import ctypes, resource, sys, threading
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages whatever THP's setting (counted alike)
 {setup}
 out = []
 def run():
@@ -73,3 +74,4 @@ def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
     if not done:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     assert faults < 100
+

@@ -253,12 +253,16 @@ def test_every_sequence_id_a_slot_leaves_parking_without_prefix_cuts(swa_path: P
     assert r.tokens == _fresh(swa_path, p, 8)
 
 
-def test_no_prefix_state_is_cut_for_a_disk_queue_that_would_refuse_it(swa_path: Path, tmp_path: Path) -> None:
+def test_no_prefix_state_is_cut_for_a_disk_queue_that_would_refuse_it(swa_path: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With full-size SWA layers, parking cuts the last prompt's states 32, 128 and 512 tokens before its end for the
     disk tier. While the disk is behind (its write queue full: an engine computing back to back) put refuses them, so
     they are not cut: a state copy each on the admission's path for nothing. Fails before: 5 copies, not 2."""
     import threading
 
+    from localllm.runtime.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
     doc = _prompt(7, 700)
     with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16,
                 disk_cache=(tmp_path / "states", 1 << 30, 16)) as e:

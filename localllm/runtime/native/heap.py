@@ -8,7 +8,9 @@ faults in every 4 KiB page: 7.3 ms for a 12.5 MiB copy on a KVM guest (AMD EPYC)
 reused (tests/bench/state_copy.py).
 With the threshold fixed at glibc's ceiling (32 MiB) and a 64 MiB top pad (a thread arena's heap is neither trimmed
 nor unmapped below it), freed states go back to the arena and the next one reuses their pages. What it costs: the
-process keeps that freed memory (bounded by the RAM tier's budget plus the pad) instead of returning it. A state
+process keeps that freed memory (per malloc arena: what it held at once, plus the pad) until it exits: a runner at
+its model's unload, but the server itself where it runs the engine (`runners = false`; malloc_trim does not give back
+a thread arena's top). A state
 above 32 MiB is still mapped on its own (glibc refuses a higher threshold): `prefault` then faults its pages in
 with one call (MADV_POPULATE_WRITE, Linux 5.14) instead of one trap per page: a 36 MiB copy 20.8 -> 14.5 ms there.
 
