@@ -74,4 +74,3 @@ def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
     if not done:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     assert faults < 100
-

@@ -174,10 +174,9 @@ def test_weights_read_into_memory_get_huge_pages_in_a_runner_of_their_own(tiny_p
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
     assert runner_env({"use_mmap": False}) == {}
     monkeypatch.delenv("GLIBC_TUNABLES")
-    monkeypatch.setattr(sys, "platform", "darwin")  # elsewhere glibc's tunable means nothing: the spare is taken
-    assert runner_env({"use_mmap": False}) == {}
-    monkeypatch.undo()
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with monkeypatch.context() as m:  # elsewhere glibc's tunable means nothing: the spare is taken
+        m.setattr(sys, "platform", "darwin")
+        assert runner_env({"use_mmap": False}) == {}
     spare = SpareRunner()
     spare.start()
     try:

@@ -158,7 +158,12 @@ class DiskStates:
     def takes(self, nbytes: int) -> bool:
         """Whether put would queue a state of nbytes now (not while the disk is behind: see put)."""
         with self._lock:
-            return not self._pending or self._pending_bytes + nbytes <= self.max_queued_bytes
+            return self._has_room(nbytes)
+
+    def _has_room(self, nbytes: int) -> bool:
+        """The write queue takes nbytes more (the caller holds the lock). An empty queue takes any state: an 8B model's
+        2 000 tokens are 256 MiB, and a cap below one state would keep every long document off the disk for good."""
+        return not self._pending or self._pending_bytes + nbytes <= self.max_queued_bytes
 
     @property
     def used(self) -> int:
@@ -212,9 +217,7 @@ class DiskStates:
         with self._lock:
             if key in self._index or key in self._queued:
                 return True
-            # the disk is behind: skip this one. An empty queue takes any state: an 8B model's 2 000 tokens are 256 MiB,
-            # and a cap below one state would keep every long document off the disk for good
-            if self._pending and self._pending_bytes + len(blob) > self.max_queued_bytes:  # takes() says the same
+            if not self._has_room(len(blob)):  # the disk is behind: skip this one
                 return False
             self._queued.add(key)
             self._pending += 1

@@ -37,14 +37,8 @@ TOP_PAD = 64 << 20  # a whole heap: freed blocks at a heap's top stay, and no em
 def keep_freed_blocks() -> bool:
     """Once per process: have glibc keep freed large blocks for reuse. False where this is not glibc (musl's mallopt
     does nothing, macOS and Windows have none) or glibc refused."""
-    if not sys.platform.startswith("linux") or not _is_glibc():
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TOP_PAD, TOP_PAD) == 1)
+    mallopt = _libc("mallopt", (ctypes.c_int, ctypes.c_int)) if _is_glibc() else None
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TOP_PAD, TOP_PAD) == 1
 
 
 def _is_glibc() -> bool:
@@ -58,19 +52,20 @@ def prefault(address: int, size: int) -> bool:
     """Fault in the pages of a block about to be written whole (a state copy into a fresh mapping): one madvise
     call instead of a trap per 4 KiB page. Only the whole pages inside the block; nothing where Linux has no
     MADV_POPULATE_WRITE (it refuses: the writes fault the pages in as before). True where the pages were faulted in."""
-    madvise = _madvise()
+    madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     page = mmap.PAGESIZE
     start, end = -(-address // page) * page, (address + size) // page * page
     return madvise is not None and end > start and madvise(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
 @functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
+def _libc(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
+    """The C library's function `name` returning an int, on Linux only (None elsewhere, or where it has none)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        madvise = ctypes.CDLL(None).madvise
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn

@@ -614,9 +614,10 @@ class Context:
         if size is None:
             size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
+        ptr = _bytes_ptr(data)
         if size > heap.MMAP_THRESHOLD:  # a fresh mapping of its own: its pages faulted in at once
-            heap.prefault(ctypes.cast(_bytes_ptr(data), ctypes.c_void_p).value or 0, size)
-        n = lc.llama_state_seq_get_data_ext(self._p, _bytes_ptr(data), size, seq, flags)
+            heap.prefault(ctypes.cast(ptr, ctypes.c_void_p).value or 0, size)
+        n = lc.llama_state_seq_get_data_ext(self._p, ptr, size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")
         return data
