@@ -177,7 +177,8 @@ async def ask_chat(c: httpx.AsyncClient, srv: Server, messages: list[dict[str, s
                     first = first or time.perf_counter()
                     text.append(piece)
     ttft = 1000 * (first - t0) if first else float("nan")
-    return Reply("".join(text), ttft, 0.0, 0, int(usage.get("prompt_tokens") or 0))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # OpenAI's field, where it says
+    return Reply("".join(text), ttft, 0.0, int(cached), int(usage.get("prompt_tokens") or 0))
 
 
 # ---- workloads (a server, the texts, the round's tag and number → figures and greedy texts) -----------

@@ -4,7 +4,7 @@ The workload bench's "revisits over chat" (8 chats with ~830-token system prompt
 a pause before each request) against `localllm serve` alone (with --completion: the "revisits" workload instead,
 ChatML text over /completion with no pause), with every server and runner process stamping the
 stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
-median, min and max of each stage in ms.
+median, min and max of each stage in ms, and the page faults the engine thread took in a few of them.
 
     python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion] [--each]
 """
@@ -43,13 +43,19 @@ ROWS = (("client to the handler", "send", "handler>"), ("  of it: client to the 
         ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),
         ("TTFT", "send", "first"), ("after the reply: its next turn opened", "ahead", None))
 
-def requests(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
-    """Per request (from its "send" on): the first time of each tag, and the summed time spent in each part."""
+# (label, tag): page faults taken inside that tag's calls (a fresh 4 KiB page each: memory not reused)
+FAULT_ROWS = (("admission", "admit"), ("  of parking: state copies out", "get"), ("  of it: prefix states cut", "cut"),
+              ("prompt decode", "decode"))
+
+
+def requests(lines: list[tuple[float, str, int]]) -> list[dict[str, Any]]:
+    """Per request (from its "send" on): the first time of each tag, and the summed time ("parts") and page faults
+    ("faults") spent in each part."""
     out: list[dict[str, Any]] = []
-    open_at: dict[str, float] = {}
-    for t, tag in lines:
+    open_at: dict[str, tuple[float, int]] = {}
+    for t, tag, faults in lines:
         if tag == "send":
-            out.append({"send": t, "parts": {}})
+            out.append({"send": t, "parts": {}, "faults": {}})
             open_at = {}
             continue
         if not out:
@@ -58,9 +64,11 @@ def requests(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
         cur.setdefault(tag, t)
         name = tag[:-1]
         if tag.endswith(">"):
-            open_at[name] = t
+            open_at[name] = (t, faults)
         elif name in open_at:
-            cur["parts"][name] = cur["parts"].get(name, 0.0) + t - open_at.pop(name)
+            t0, f0 = open_at.pop(name)
+            cur["parts"][name] = cur["parts"].get(name, 0.0) + t - t0
+            cur["faults"][name] = cur["faults"].get(name, 0) + faults - f0
     return out
 
 
@@ -110,7 +118,8 @@ def main() -> None:
             asyncio.run(workload(srv, texts, f"{nonce}.{r}", r))
             with trace.open() as f:
                 f.seek(start)
-                lines = sorted((float(x.split()[0]), x.split()[3]) for x in f if len(x.split()) == 4)
+                lines = sorted((float(x[0]), x[3], int(x[4]) if len(x) > 4 else 0)
+                               for x in map(str.split, f) if len(x) >= 4)
             revisits += requests(lines)[w.REVISIT_CHATS:]
     print(f"{len(revisits)} revisits, ms   {'p50':>7} {'min':>7} {'max':>7}")
     rows = [(label, [r["parts"].get(x, 0.0) for r in revisits] if b is None
@@ -119,10 +128,16 @@ def main() -> None:
         for label, xs in rows:
             print(label.strip(), " ".join(f"{1000 * x:.0f}" for x in xs))
         print("prompt tokens computed, every request:", " ".join(map(str, computed)))
+        for label, tag in FAULT_ROWS:
+            print(label.strip(), "page faults:", " ".join(str(r["faults"].get(tag, 0)) for r in revisits))
     for label, xs in rows:
         if xs:
             ms = [1000 * x for x in xs]
             print(f"{label:<38} {statistics.median(ms):7.2f} {min(ms):7.2f} {max(ms):7.2f}")
+    print("page faults of the engine's thread, per revisit    p50     min     max")
+    for label, tag in FAULT_ROWS:
+        n = [r["faults"].get(tag, 0) for r in revisits]
+        print(f"{label:<38} {statistics.median(n):7.0f} {min(n):7d} {max(n):7d}")
 
 
 if __name__ == "__main__":

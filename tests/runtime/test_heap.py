@@ -50,8 +50,9 @@ def test_an_engine_process_keeps_freed_state_blocks(tiny_path: Path) -> None:
 
 
 def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
-    """A state above glibc's mmap ceiling is a fresh mapping: prefault puts its pages in place before llama.cpp writes
-    it, so the writes take no page faults (where Linux has MADV_POPULATE_WRITE; elsewhere it says it did nothing)."""
+    """A state in fresh pages (a mapping of its own above glibc's mmap ceiling, or an arena's new memory): prefault puts
+    them in place before llama.cpp writes it, so the writes take no page faults (where Linux has MADV_POPULATE_WRITE;
+    elsewhere it says it did nothing). A block already in memory is left alone."""
     import ctypes
     import mmap
     import resource
@@ -74,3 +75,6 @@ def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
     if not done:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     assert faults < 100
+    block = bytearray(b"x" * (12 << 20))  # written: every page in memory
+    address = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    assert not heap.prefault(address, len(block))

@@ -289,3 +289,27 @@ def test_no_prefix_state_is_cut_for_a_disk_queue_that_would_refuse_it(swa_path: 
         e.ctx.state_seq_get = lambda *a, **k: copies.append(1) or real(*a, **k)  # type: ignore[method-assign]
         e.generate(Request(_prompt(8, 100), GREEDY, max_tokens=2, ignore_eos=True))
         assert len(copies) == 2
+
+
+def test_no_prefix_state_is_cut_for_the_disk_below_its_fewest_tokens(swa_path: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk tier keeps no state of fewer than its min_tokens, so a prefix cut that short for it alone is a state
+    copy thrown away. A 300-token prompt with a 256-token floor: its cut 32 tokens before the end (268) goes to disk,
+    the one 128 before (172) is not taken. Fails before: 4 copies, and the same 2 files."""
+    from localllm.runtime.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
+    doc = _prompt(9, 300)
+    with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16,
+                disk_cache=(tmp_path / "states", 1 << 30, 256)) as e:
+        e.generate(Request(doc, GREEDY, max_tokens=4, ignore_eos=True))
+        copies = []
+        real = e.ctx.state_seq_get
+        e.ctx.state_seq_get = lambda *a, **k: copies.append(1) or real(*a, **k)  # type: ignore[method-assign]
+        e.generate(Request(_prompt(8, 100), GREEDY, max_tokens=2, ignore_eos=True))  # takes the slot: parks doc
+        disk = e._parked.disk
+        assert disk is not None
+        disk.flush()
+        kept = sorted(len(k) for k in disk._index)
+        assert len(copies) == 3  # the history (RAM and disk), its prompt's end (RAM and disk), the cut at 268
+        assert kept == [268, 300, 303]  # the cut, the prompt, the history (its last sampled token not decoded)

@@ -155,10 +155,17 @@ class DiskStates:
         with self._lock:
             return key in self._index or key in self._queued
 
-    def takes(self, nbytes: int) -> bool:
-        """Whether put would queue a state of nbytes now (not while the disk is behind: see put)."""
+    def takes(self, n_tokens: int, nbytes: int) -> bool:
+        """Whether put would queue the state of n_tokens (nbytes at most) now: one it keeps, and not while the disk is
+        behind (see put)."""
+        if not self._keeps(n_tokens, nbytes):
+            return False
         with self._lock:
             return self._has_room(nbytes)
+
+    def _keeps(self, n_tokens: int, nbytes: int) -> bool:
+        """A state of n_tokens (nbytes) is long enough to be worth a file, and its file fits the budget."""
+        return n_tokens >= self.min_tokens and nbytes + _HEAD.size + 4 * n_tokens <= self.budget
 
     def _has_room(self, nbytes: int) -> bool:
         """The write queue takes nbytes more (the caller holds the lock). An empty queue takes any state: an 8B model's
@@ -211,7 +218,7 @@ class DiskStates:
     # ---- writing ---------------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
         """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep."""
-        if len(tokens) < self.min_tokens or len(blob) + _HEAD.size + 4 * len(tokens) > self.budget:
+        if not self._keeps(len(tokens), len(blob)):
             return False
         key = tuple(tokens)
         with self._lock:

@@ -212,8 +212,9 @@ class Parking:
         its reply trimmed or regenerated; in RAM and on disk), and on disk — what a restart finds — cut 32, 128
         and 512 tokens before its end (the same document, a new question). Each is a state copy on the scheduler
         thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk, and not
-        for the disk while its write queue would refuse a state of the history's size (`nbytes`, a prefix's at most:
-        the engine computing back to back, 32 cuts were copied and 36 of its 40 states put then refused)."""
+        for the disk where it would refuse the prefix: one shorter than its fewest tokens, or while its write queue is
+        full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
+        and 36 of its 40 states put then refused)."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
             return
         n = len(slot.tokens)
@@ -227,7 +228,7 @@ class Parking:
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
                 continue
-            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c]) and self.disk.takes(nbytes)
+            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c]) and self.disk.takes(c, nbytes)
             to_ram = ram and c == end
             blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:

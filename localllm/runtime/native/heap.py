@@ -49,13 +49,21 @@ def _is_glibc() -> bool:
 
 
 def prefault(address: int, size: int) -> bool:
-    """Fault in the pages of a block about to be written whole (a state copy into a fresh mapping): one madvise
-    call instead of a trap per 4 KiB page. Only the whole pages inside the block; nothing where Linux has no
-    MADV_POPULATE_WRITE (it refuses: the writes fault the pages in as before). True where the pages were faulted in."""
+    """Fault in the pages of a block about to be written whole (a state copy) where some are not in memory yet: one
+    madvise call instead of a trap per 4 KiB page. A block whose pages are all in place (reused, as keep_freed_blocks
+    makes most) is left as it is: mincore tells at a fraction of what populating resident pages costs (0.5 ms per
+    12.5 MiB). Only the whole pages inside the block; nothing where Linux has no MADV_POPULATE_WRITE (it refuses: the
+    writes fault the pages in as before). True where pages were faulted in."""
     madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    mincore = _libc("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p))
     page = mmap.PAGESIZE
     start, end = -(-address // page) * page, (address + size) // page * page
-    return madvise is not None and end > start and madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+    if madvise is None or mincore is None or end <= start:
+        return False
+    resident = ctypes.create_string_buffer((end - start) // page)  # a byte per page, bit 0: in memory
+    if mincore(start, end - start, resident) == 0 and resident.raw.count(0) == 0:
+        return False
+    return madvise(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
 @functools.cache

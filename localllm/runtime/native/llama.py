@@ -615,8 +615,7 @@ class Context:
             size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
         ptr = _bytes_ptr(data)
-        if size > heap.MMAP_THRESHOLD:  # a fresh mapping of its own: its pages faulted in at once
-            heap.prefault(ctypes.cast(ptr, ctypes.c_void_p).value or 0, size)
+        heap.prefault(ctypes.cast(ptr, ctypes.c_void_p).value or 0, size)  # fresh pages faulted in at once
         n = lc.llama_state_seq_get_data_ext(self._p, ptr, size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")

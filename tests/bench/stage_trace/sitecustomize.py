@@ -1,8 +1,8 @@
 """Timestamps at the stages of a request, for tests/bench/revisit_stages.py (a bench tool, never imported by localllm).
 
 On PYTHONPATH with STAGE_TRACE=FILE, every Python process started (the server and its runner) wraps the functions
-in STAGES as their modules are imported and appends "time pid thread tag" lines to FILE (time.perf_counter: one
-clock for every process on Linux)."""
+in STAGES as their modules are imported and appends "time pid thread tag faults" lines to FILE (time.perf_counter: one
+clock for every process on Linux; faults: the thread's minor page faults so far, Linux's RUSAGE_THREAD)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import importlib.abc
 import importlib.util
 import inspect
 import os
+import resource
 import sys
 import threading
 import time
@@ -38,7 +39,9 @@ STAGES: dict[str, list[tuple[str | None, str, str]]] = {
 
 
 def _mark(out: Any, tag: str) -> None:
-    out.write(f"{time.perf_counter():.6f} {os.getpid()} {threading.current_thread().name.replace(' ', '_')} {tag}\n")
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # the calling thread's page faults so far
+    out.write(f"{time.perf_counter():.6f} {os.getpid()} {threading.current_thread().name.replace(' ', '_')} {tag} "
+              f"{faults}\n")
 
 
 def _wrapped(fn: Any, tag: str, out: Any) -> Any:
