@@ -78,3 +78,38 @@ def test_a_fresh_mapping_is_faulted_in_with_one_call() -> None:
     block = bytearray(b"x" * (12 << 20))  # written: every page in memory
     address = ctypes.addressof(ctypes.c_char.from_buffer(block))
     assert not heap.prefault(address, len(block))
+
+
+def test_a_state_copy_hands_its_new_block_to_prefault(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Context.state_seq_get asks prefault about the very block llama.cpp then writes (its address and size), and the
+    state it returns is whole: a blob restored into a fresh sequence serves as the original."""
+    import ctypes
+
+    from localllm.runtime.native import heap
+    from localllm.runtime.native.llama import Batch, Context, Model
+
+    asked: list[tuple[int, int]] = []
+    real = heap.prefault
+    monkeypatch.setattr(heap, "prefault", lambda address, size: asked.append((address, size)) or real(address, size))
+    model = Model(tiny_path)
+    ctx = Context(model, n_ctx=512, n_seq_max=2, n_batch=64, n_threads=2)
+    try:
+        b = Batch(64, 1)
+        for i in range(40):
+            b.add(5 + i, i, 0, i == 39)
+        ctx.decode(b)
+        blob = ctx.state_seq_get(0)
+        b.close()
+        address = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+        assert asked == [(address, len(blob))]
+        ctx.state_seq_set(1, blob)
+        assert ctx.seq_pos_max(1) == 39
+        b = Batch(64, 1)
+        b.add(44, 40, 0, True)
+        b.add(44, 40, 1, True)
+        ctx.decode(b)  # the same next token on the original and on its restored copy: the same logits (other cells)
+        assert float(abs(ctx.logits_row(0) - ctx.logits_row(1)).max()) < 1e-3
+        b.close()
+    finally:
+        ctx.close()
+        model.close()
