@@ -295,7 +295,8 @@ def test_no_prefix_state_is_cut_for_the_disk_below_its_fewest_tokens(swa_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk tier keeps no state of fewer than its min_tokens, so a prefix cut that short for it alone is a state
     copy thrown away. A 300-token prompt with a 256-token floor: its cut 32 tokens before the end (268) goes to disk,
-    the one 128 before (172) is not taken. Fails before: 4 copies, and the same 2 files."""
+    the one 128 before (172) is not taken. Fails before: 4 copies (the cut at 172 copied, then refused by put); the
+    same 3 files either way."""
     from localllm.runtime.engine import scheduler
 
     monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
