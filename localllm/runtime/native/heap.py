@@ -10,9 +10,10 @@ With the threshold fixed at glibc's ceiling (32 MiB) and a 64 MiB top pad (a thr
 nor unmapped below it), freed states go back to the arena and the next one reuses their pages. What it costs: the
 process keeps that freed memory (per malloc arena: what it held at once, plus the pad) until it exits: a runner at
 its model's unload, but the server itself where it runs the engine (`runners = false`; malloc_trim does not give back
-a thread arena's top). A state
-above 32 MiB is still mapped on its own (glibc refuses a higher threshold), and an arena still grows into fresh
-pages until it holds what the RAM tier keeps: `prefault` faults a new block's pages in with one call
+a thread arena's top).
+
+A state above 32 MiB is still mapped on its own (glibc refuses a higher threshold), and an arena still grows into
+fresh pages until it holds what the RAM tier keeps: `prefault` faults a new block's pages in with one call
 (MADV_POPULATE_WRITE, Linux 5.14) instead of one trap per page, where mincore says some are not in memory yet: a 36 MiB
 copy 20.8 -> 14.5 ms, a fresh 12.5 MiB one 8.0 -> 4.8 ms; a reused block is left alone.
 
