@@ -41,7 +41,7 @@ ROWS = (("client to the handler", "send", "handler>"), ("  of it: client to the 
         ("  of admission: restore it", "restore", None),
         ("to the decode", "admit<", "decode>"), ("prompt decode", "decode>", "decode<"),
         ("sample the first token", "decode<", "token>"), ("token to the client", "token>", "first"),
-        ("TTFT", "send", "first"), ("after the reply: its next turn opened", "ahead", None))
+        ("TTFT", "send", "first"), ("next turns opened (idle, or before a long prompt)", "ahead", None))
 
 # (label, tag): page faults taken inside that tag's calls (a fresh 4 KiB page each: memory not reused)
 FAULT_ROWS = (("admission", "admit"), ("  of parking: state copies out", "get"), ("  of it: prefix states cut", "cut"),

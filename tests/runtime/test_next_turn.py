@@ -80,6 +80,36 @@ def test_nothing_is_decoded_ahead_while_a_request_runs(tiny: Path) -> None:
         _ahead(e, 1 + len(NEXT))
 
 
+def test_an_opening_due_is_decoded_before_a_long_prompt_parks_its_chat(tiny: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another chat's request comes before the engine idles (8 chats on 4 slots, revisited without a pause), and its
+    admission parks the idle chat: the chat's opening is decoded first where that prompt computes 16 times its rows,
+    so the chat's next turn, restored from RAM, prefills only its message; before a short prompt it is not. All answer
+    as the reference. Before, the opening waited for an idle engine (0 tokens ahead here, where the idle wait is made
+    longer than the test)."""
+    from localllm.runtime.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "_TURN_AHEAD_S", 60.0)
+    a, b = _prompt(11), _prompt(14)
+    with Engine(tiny, n_ctx=2048, slots=2, threads=2, min_park_tokens=16) as e:
+        first = e.generate(Request(a, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        long = _prompt(12, 200)
+        other = e.generate(Request(long, GREEDY, max_tokens=8, ignore_eos=True))
+        assert e.stats()["ahead_tokens"] == 1 + len(NEXT)  # the reply's last token (sampled, not decoded), the opening
+        turn2 = a + first.tokens + NEXT + [300, 301, 302]
+        second = e.generate(Request(turn2, GREEDY, max_tokens=8, ignore_eos=True))
+        assert second.timings.cache_tier == "ram" and second.usage.cached_tokens == len(turn2) - 3
+        reply = e.generate(Request(b, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
+        e.generate(Request(_prompt(13, 40), GREEDY, max_tokens=4, ignore_eos=True))  # 40 rows: under 16 × 4
+        assert e.stats()["ahead_tokens"] == 1 + len(NEXT)
+        b2 = b + reply.tokens + NEXT + [300, 301, 302]
+        third = e.generate(Request(b2, GREEDY, max_tokens=8, ignore_eos=True))
+        assert third.timings.cache_tier == "ram" and third.usage.cached_tokens == len(b) + len(reply.tokens) - 1
+    _check(tiny, long, other.tokens, 8)
+    _check(tiny, turn2, second.tokens, 8)
+    _check(tiny, b2, third.tokens, 8)
+
+
 def test_a_request_that_takes_the_slot_first_drops_what_was_due_ahead(tiny: Path) -> None:
     """A job admitted before the engine idled: the old reply's opening is not decoded after the new history."""
     p = _prompt(4)

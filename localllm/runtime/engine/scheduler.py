@@ -58,6 +58,8 @@ _PARK_AHEAD_S = 0.25
 # idle this long, it decodes the openings of chats' next turns (Request.next_turn): a user reads and types for longer,
 # an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
 _TURN_AHEAD_S = 0.1
+# ... or at once, before a prompt that computes at least this many times its rows
+_AHEAD_BESIDE = 16
 STEP_COST_FILE = "step_cost.json"  # StepCost, beside the disk tier's rates.json
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
@@ -510,6 +512,7 @@ class Engine(ThreadSubmit):
         # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
         # leave a gap that every later step attends over. Not before a copy: clearing may drop the source's cells
         if not (gain and copy):
+            self._open_before_parking(dst, len(prompt) - (n_park if gain and blob is not None else n))
             self._parked.clear_idle(self.slots, dst)
         if gain and (copy or blob is not None):
             self._set_aside(dst, 0, room, protect=src)
@@ -541,6 +544,7 @@ class Engine(ThreadSubmit):
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
         if gain and copy:
+            self._open_before_parking(dst, len(prompt) - n_src)
             self._parked.clear_idle(self.slots, dst)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
             # with SWA layers at the window's size, a checkpoint's restore takes cells that only the reuse of an older
@@ -769,11 +773,26 @@ class Engine(ThreadSubmit):
     def _decode_ahead(self) -> None:
         """With no request to serve, decode what a chat's next prompt will put after its reply (Request.next_turn:
         the template's end of turn and the next user turn's opening), so that a next turn prefills only its own
-        message. Nothing is sampled: no logits. Where the cache has no room, the history stays as it was. One slot a
-        call, the latest reply first: a request that comes meanwhile waits for one short decode at most."""
+        message. One slot a call, the latest reply first: a request that comes meanwhile waits for one short decode
+        at most."""
         s = max((s for s in self.slots if s.ahead), key=lambda s: s.last_used, default=None)
-        if s is None:
-            return
+        if s is not None:
+            self._open(s)
+
+    def _open_before_parking(self, keep: Slot, rows: int) -> None:
+        """Before an admission parks the idle histories (Parking.clear_idle), decode the openings due on them where
+        the prompt admitted computes at least _AHEAD_BESIDE times their rows: requests that come back to back (one
+        chat's revisit right after another chat's reply) leave the engine no idle time, and the prompt's first token
+        comes a few per cent later, not one revisit's opening later. `keep`: the slot admitted to."""
+        for s in sorted((s for s in self.slots if s is not keep and s.job is None and s.ahead),
+                        key=lambda s: -s.last_used):
+            if len(s.ahead) * _AHEAD_BESIDE <= rows:
+                rows -= len(s.ahead) * _AHEAD_BESIDE
+                self._open(s)
+
+    def _open(self, s: Slot) -> None:
+        """Decode idle slot s's opening due (Slot.ahead). Nothing is sampled: no logits. Where the cache has no room,
+        the history stays as it was."""
         toks, s.ahead = s.ahead, []
         batch = self._batch
         if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.capacity:

@@ -28,7 +28,7 @@ STAGES: dict[str, list[tuple[str | None, str, str]]] = {
     "localllm.compose.templates": [(None, "render_chat_parts", "render")],
     "localllm.runtime.runner.host": [("Runner", "call", "rpc"), ("Runner", "submit", "submit")],
     "localllm.runtime.engine.scheduler": [("Engine", "_admit", "admit"), ("Engine", "_on_token", "token"),
-                                          ("Engine", "_decode_ahead", "ahead")],
+                                          ("Engine", "_open", "ahead")],
     "localllm.runtime.cache.parking": [("Parking", "best", "best"), ("Parking", "restore", "restore"),
                                        ("Parking", "clear_idle", "clear_idle"), ("Parking", "park", "park"),
                                        ("Parking", "_checkpoints", "ckpts"), ("Parking", "_cut_state", "cut")],
