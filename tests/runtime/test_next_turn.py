@@ -95,7 +95,8 @@ def test_an_opening_due_is_decoded_before_a_long_prompt_parks_its_chat(tiny: Pat
         first = e.generate(Request(a, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
         long = _prompt(12, 200)
         other = e.generate(Request(long, GREEDY, max_tokens=8, ignore_eos=True))
-        assert e.stats()["ahead_tokens"] == 1 + len(NEXT)  # the reply's last token (sampled, not decoded), the opening
+        # the reply's last token (sampled, not decoded), then the opening
+        assert e.stats()["ahead_tokens"] == e.stats()["ahead_before_parking"] == 1 + len(NEXT)
         turn2 = a + first.tokens + NEXT + [300, 301, 302]
         second = e.generate(Request(turn2, GREEDY, max_tokens=8, ignore_eos=True))
         assert second.timings.cache_tier == "ram" and second.usage.cached_tokens == len(turn2) - 3

@@ -157,7 +157,7 @@ class Engine(ThreadSubmit):
             "decode_us": 0, "decode_steps": 0, "busy_slots": 0, "n_tokens_max": 0, "kv_full": 0, "shifts": 0,
             "restored": 0, "copied_prefix": 0, "hits_slot": 0, "hits_kv": 0, "hits_ram": 0, "hits_disk": 0,
             "drafted": 0, "draft_accepted": 0, "draft_steps": 0, "checkpoints": 0, "checkpoint_restores": 0,
-            "shifted_chunks": 0, "ahead_tokens": 0, "guessed_openings": 0,
+            "shifted_chunks": 0, "ahead_tokens": 0, "ahead_before_parking": 0, "guessed_openings": 0,
             "restores_refused": 0}
         self.spec = spec or SpecConfig()
         self._drafter = None
@@ -788,15 +788,15 @@ class Engine(ThreadSubmit):
                         key=lambda s: -s.last_used):
             if len(s.ahead) * _AHEAD_BESIDE <= rows:
                 rows -= len(s.ahead) * _AHEAD_BESIDE
-                self._open(s)
+                self._counters["ahead_before_parking"] += self._open(s)
 
-    def _open(self, s: Slot) -> None:
-        """Decode idle slot s's opening due (Slot.ahead). Nothing is sampled: no logits. Where the cache has no room,
-        the history stays as it was."""
+    def _open(self, s: Slot) -> int:
+        """Decode idle slot s's opening due (Slot.ahead); how many tokens. Nothing is sampled: no logits. Where the
+        cache has no room, the history stays as it was."""
         toks, s.ahead = s.ahead, []
         batch = self._batch
         if s.job is not None or len(s.tokens) + len(toks) > self.n_ctx or len(toks) > batch.capacity:
-            return
+            return 0
         if self._n_swa == RECURRENT:  # a state cannot go back: the reply's end stays servable (another next turn)
             self._take_checkpoint(s, len(s.tokens))
         batch.clear()
@@ -806,10 +806,11 @@ class Engine(ThreadSubmit):
             self.ctx.decode(batch)
         except Exception:  # noqa: BLE001 - an optimisation: no room (NoKVSlot) or a failed decode costs only the gain
             self.ctx.seq_rm(s.id, len(s.tokens), -1)
-            return
+            return 0
         s.extend(toks)
         self._counters["ahead_tokens"] += len(toks)
         self._kv_pos = [self.ctx.seq_pos_max(t.id) for t in self.slots]
+        return len(toks)
 
     def _checkpoint_cuts(self, job: Job) -> tuple[int, ...]:
         return checkpoint_cuts(len(job.prompt), self._cut_ubatch, job.request.n_keep, job.cached)
