@@ -59,7 +59,7 @@ _PARK_AHEAD_S = 0.25
 # an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
 _TURN_AHEAD_S = 0.1
 # ... or at once, before a prompt that computes at least this many times its rows
-_AHEAD_BESIDE = 16
+_AHEAD_RATIO = 16
 STEP_COST_FILE = "step_cost.json"  # StepCost, beside the disk tier's rates.json
 _REUSE_MIN = 16  # copy a prefix from another slot / parked state only when it beats the free slot by this much
 
@@ -781,13 +781,13 @@ class Engine(ThreadSubmit):
 
     def _open_before_parking(self, keep: Slot, rows: int) -> None:
         """Before an admission parks the idle histories (Parking.clear_idle), decode the openings due on them where
-        the prompt admitted computes at least _AHEAD_BESIDE times their rows: requests that come back to back (one
+        the prompt admitted computes at least _AHEAD_RATIO times their rows: requests that come back to back (one
         chat's revisit right after another chat's reply) leave the engine no idle time, and the prompt's first token
         comes a few per cent later, not one revisit's opening later. `keep`: the slot admitted to."""
         for s in sorted((s for s in self.slots if s is not keep and s.job is None and s.ahead),
                         key=lambda s: -s.last_used):
-            if len(s.ahead) * _AHEAD_BESIDE <= rows:
-                rows -= len(s.ahead) * _AHEAD_BESIDE
+            if len(s.ahead) * _AHEAD_RATIO <= rows:
+                rows -= len(s.ahead) * _AHEAD_RATIO
                 self._counters["ahead_before_parking"] += self._open(s)
 
     def _open(self, s: Slot) -> int:
