@@ -2,11 +2,11 @@
 
 The workload bench's "revisits over chat" (8 chats with ~830-token system prompts on 4 slots, the gemma template,
 a pause before each request) against `localllm serve` alone (with --completion: the "revisits" workload instead,
-ChatML text over /completion with no pause), with every server and runner process stamping the
-stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
+ChatML text over /completion with no pause; with --agent: the agent loop's turns 2-8), with every server and runner
+process stamping the stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
 median, min and max of each stage in ms, and the page faults the engine thread took in a few of them.
 
-    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion] [--each]
+    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion | --agent] [--each]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--model", default="gemma3:270m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--completion", action="store_true", help="the /completion revisits (ChatML text, no pause)")
+    ap.add_argument("--agent", action="store_true", help="the agent loop's turns 2-8 instead (ChatML over /completion)")
     ap.add_argument("--each", action="store_true", help="also every revisit's figures, in order")
     a = ap.parse_args()
     trace = Path(tempfile.mkdtemp()) / "stages.log"
@@ -100,7 +101,8 @@ def main() -> None:
         return await stamped(real_ask_chat(c, srv, messages, n))
 
     w.ask, w.ask_chat = ask, ask_chat  # the workloads ask through them
-    workload = w.revisits if a.completion else w.chat_revisits
+    workload = w.agent_loop if a.agent else w.revisits if a.completion else w.chat_revisits
+    skip = 1 if a.agent else w.REVISIT_CHATS  # the requests before those measured: first turns
     env = side_env(False, None) | {"LOCALLLM_CHAT_TEMPLATE": "gemma", "STAGE_TRACE": str(trace),
                                    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "stage_trace"),
                                                                                os.environ.get("PYTHONPATH")]))}
@@ -110,7 +112,7 @@ def main() -> None:
     with localllm_server(threads=a.threads, ctx=16384, slots=4, extra_env=env) as (url, _):
         srv = Server(url, a.model)
         asyncio.run(w._warm({"localllm": srv}))
-        if a.completion:  # as the workload bench runs it first: its turns teach the server a raw chat's next turn
+        if a.completion and not a.agent:  # as the workload bench runs it first: its turns teach the server a raw chat's next turn
             asyncio.run(w.agent_loop(srv, texts, f"{nonce}.agent", 0))
         revisits: list[dict[str, Any]] = []
         for r in range(a.rounds):
@@ -120,7 +122,7 @@ def main() -> None:
                 f.seek(start)
                 lines = sorted((float(x[0]), x[3], int(x[4]) if len(x) > 4 else 0)
                                for x in map(str.split, f) if len(x) >= 4)
-            revisits += requests(lines)[w.REVISIT_CHATS:]
+            revisits += requests(lines)[skip:]
     print(f"{len(revisits)} revisits, ms   {'p50':>7} {'min':>7} {'max':>7}")
     rows = [(label, [r["parts"].get(x, 0.0) for r in revisits] if b is None
              else [r[b] - r[x] for r in revisits if x in r and b in r]) for label, x, b in ROWS]
