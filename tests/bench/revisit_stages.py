@@ -2,11 +2,13 @@
 
 The workload bench's "revisits over chat" (8 chats with ~830-token system prompts on 4 slots, the gemma template,
 a pause before each request) against `localllm serve` alone (with --completion: the "revisits" workload instead,
-ChatML text over /completion with no pause; with --agent: the agent loop's turns 2-8), with every server and runner
-process stamping the stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH). Prints, for the revisits, the
-median, min and max of each stage in ms, and the page faults the engine thread took in a few of them.
+ChatML text over /completion with no pause; with --agent: the agent loop's turns 2-8), with every server and
+runner process stamping the stages of each request (stage_trace/sitecustomize.py, loaded through PYTHONPATH).
+Prints, for the revisits, the median, min and max of each stage in ms, and the page faults the engine thread took
+in a few of them.
 
-    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2] [--completion | --agent] [--each]
+    python tests/bench/revisit_stages.py [--rounds N] [--model gemma3:270m] [--threads 2]
+                                         [--completion | --agent] [--each]
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="gemma3:270m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--completion", action="store_true", help="the /completion revisits (ChatML text, no pause)")
-    ap.add_argument("--agent", action="store_true", help="the agent loop's turns 2-8 instead (ChatML over /completion)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--completion", action="store_true", help="the /completion revisits (ChatML text, no pause)")
+    which.add_argument("--agent", action="store_true", help="the agent loop's turns 2-8 (ChatML over /completion)")
     ap.add_argument("--each", action="store_true", help="also every revisit's figures, in order")
     a = ap.parse_args()
     trace = Path(tempfile.mkdtemp()) / "stages.log"
@@ -112,7 +115,7 @@ def main() -> None:
     with localllm_server(threads=a.threads, ctx=16384, slots=4, extra_env=env) as (url, _):
         srv = Server(url, a.model)
         asyncio.run(w._warm({"localllm": srv}))
-        if a.completion and not a.agent:  # as the workload bench runs it first: its turns teach the server a raw chat's next turn
+        if a.completion:  # as the workload bench runs it first: its turns teach the server a raw chat's next turn
             asyncio.run(w.agent_loop(srv, texts, f"{nonce}.agent", 0))
         revisits: list[dict[str, Any]] = []
         for r in range(a.rounds):

@@ -512,8 +512,7 @@ class Engine(ThreadSubmit):
         # over every cell up to the highest in use (n_kv), so a restore behind idle histories about to go would
         # leave a gap that every later step attends over. Not before a copy: clearing may drop the source's cells
         if not (gain and copy):
-            self._open_before_parking(dst, len(prompt) - (n_park if gain and blob is not None else n))
-            self._parked.clear_idle(self.slots, dst)
+            self._clear_idle(dst, len(prompt) - (n_park if gain and blob is not None else n))
         if gain and (copy or blob is not None):
             self._set_aside(dst, 0, room, protect=src)
             self.ctx.seq_rm(dst.id)
@@ -544,8 +543,7 @@ class Engine(ThreadSubmit):
             if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
                 n = self._restore_checkpoint(dst, n)
         if gain and copy:
-            self._open_before_parking(dst, len(prompt) - n_src)
-            self._parked.clear_idle(self.slots, dst)
+            self._clear_idle(dst, len(prompt) - n_src)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
             # with SWA layers at the window's size, a checkpoint's restore takes cells that only the reuse of an older
             # prefix (a BOS) may still have wanted
@@ -779,16 +777,18 @@ class Engine(ThreadSubmit):
         if s is not None:
             self._open(s)
 
-    def _open_before_parking(self, keep: Slot, rows: int) -> None:
-        """Before an admission parks the idle histories (Parking.clear_idle), decode the openings due on them where
-        the prompt admitted computes at least _AHEAD_RATIO times their rows: requests that come back to back (one
-        chat's revisit right after another chat's reply) leave the engine no idle time, and the prompt's first token
-        comes a few per cent later, not one revisit's opening later. `keep`: the slot admitted to."""
+    def _clear_idle(self, keep: Slot, rows: int) -> None:
+        """Park and drop the idle histories but `keep`'s (the slot admitted to a prompt computing `rows`;
+        Parking.clear_idle), first decoding the openings due on them where that prompt computes at least
+        _AHEAD_RATIO times their rows: requests that come back to back (one chat's revisit right after another chat's
+        reply) leave the engine no idle time, and the prompt's first token comes a few per cent later, not one
+        revisit's opening later."""
         for s in sorted((s for s in self.slots if s is not keep and s.job is None and s.ahead),
                         key=lambda s: -s.last_used):
             if len(s.ahead) * _AHEAD_RATIO <= rows:
                 rows -= len(s.ahead) * _AHEAD_RATIO
                 self._counters["ahead_before_parking"] += self._open(s)
+        self._parked.clear_idle(self.slots, keep)
 
     def _open(self, s: Slot) -> int:
         """Decode idle slot s's opening due (Slot.ahead); how many tokens. Nothing is sampled: no logits. Where the
