@@ -110,6 +110,21 @@ def test_the_byte_budget_evicts_the_least_recently_used(tmp_path: Path) -> None:
     assert tuple(keys[1]) not in d._index and tuple(keys[0]) in d._index
 
 
+def test_a_state_a_later_one_relies_on_counts_as_used(tmp_path: Path) -> None:
+    """keep(): a chat's next turn leaves a new question to the state it resumed (Parking._ladder), so that state
+    must not be the first to go."""
+    d = DiskStates(tmp_path, 3000, min_tokens=4)
+    keys = [[k, *range(10, 20)] for k in range(3)]
+    for i, k in enumerate(keys):
+        d.put(k, bytes([i]) * 900, 0)
+        d.flush()
+        d._index[tuple(k)].used = 1000 + i
+    assert d.keep(keys[0]) and not d.keep([9, 9, 9, 9])
+    d.put([7, *range(10, 20)], b"n" * 900, 0)
+    d.flush()
+    assert tuple(keys[1]) not in d._index and tuple(keys[0]) in d._index
+
+
 def test_a_stored_prefix_of_a_new_state_is_redundant(tmp_path: Path) -> None:
     d = DiskStates(tmp_path, 1 << 20, min_tokens=4)
     d.put(list(range(6)), b"short", 0)
@@ -310,6 +325,45 @@ def test_a_document_reopened_after_restart_with_a_new_question_comes_from_disk(g
         assert e.generate(Request(second, GREEDY, max_tokens=1)).usage.cached_tokens == 0
     with Reference(gemma_file, n_ctx=2048, threads=2) as ref:
         verdict = compare(ref, second, r.tokens, n=6, ignore_eos=True, follow=True)
+        assert verdict.ok, verdict
+
+
+def test_a_chats_next_turn_leaves_a_new_question_to_the_state_it_resumed(tmp_path: Path) -> None:
+    """Parking a sliding-window chat also cuts prefix states for the disk tier (32, 128, 512 tokens before its last
+    prompt's end: a new question after a restart). On a chat's next turn those cuts fall before, or just after, the
+    history the turn resumed, whose state the disk holds and which serves a new last question as well: they were
+    copies on the admission's path and files for nothing. Fails before: both cuts of the second turn were on disk.
+    The first turn (resumed nothing) keeps its cuts; the turn's own end stays (a regenerate); after a restart a new
+    last question continues from the resumed state, with the fresh reference's tokens (tiny gemma3, a 32-token
+    window: a few hundred tokens move it as thousands move gemma-3-270m's)."""
+    from localllm.eval.reference import Reference, compare
+    from tests.tinymodel import make_tiny_gemma3_gguf
+
+    path = make_tiny_gemma3_gguf(tmp_path / "tiny-swa.gguf")
+    disk_cache = (str(tmp_path / "cache"), 256 << 20, 16)
+    kw = {"n_ctx": 1024, "slots": 1, "threads": 2, "min_park_tokens": 32, "disk_cache": disk_cache}
+    doc, other = [1] + [(7 * k) % 250 + 3 for k in range(300)], [1] + [(5 * k) % 250 + 3 for k in range(300)]
+    ask = [*doc, 301, 302]
+    with Engine(path, **kw) as e:
+        first = e.generate(Request(ask, GREEDY, max_tokens=4, ignore_eos=True))
+        e.generate(Request(other, GREEDY, max_tokens=2, ignore_eos=True))  # parks the chat (one slot)
+        turn = [*ask, *first.tokens, 303, 304, 305]
+        second = e.generate(Request(turn, GREEDY, max_tokens=4, ignore_eos=True))
+        resumed = second.usage.cached_tokens
+        assert second.timings.cache_tier == "ram" and resumed == len(ask) + len(first.tokens) - 1
+        e.generate(Request(other, GREEDY, max_tokens=2, ignore_eos=True))  # parks it again
+        disk = e._parked.disk
+        assert disk is not None
+        disk.flush()
+        assert disk.holds(ask[:-32]) and disk.holds(ask[:-128])  # the first turn's cuts
+        assert disk.holds(turn[:resumed]) and disk.holds(turn)  # the state the turn resumed, its end
+        assert not disk.holds(turn[:-32]) and not disk.holds(turn[:-128])
+    edit = [*turn[:resumed], 306, 307, 308]  # after a restart, a new last question
+    with Engine(path, **kw) as e:
+        r = e.generate(Request(edit, GREEDY, max_tokens=6, ignore_eos=True))
+    assert r.timings.cache_tier == "disk" and r.usage.cached_tokens == resumed
+    with Reference(path, n_ctx=1024, threads=2) as ref:
+        verdict = compare(ref, edit, r.tokens, n=6, ignore_eos=True, follow=True)
         assert verdict.ok, verdict
 
 

@@ -155,6 +155,19 @@ class DiskStates:
         with self._lock:
             return key in self._index or key in self._queued
 
+    def keep(self, tokens: Sequence[int]) -> bool:
+        """Whether the state of exactly these tokens is stored or queued; a stored one counts as used now (LRU): a
+        later state leaves the prompts it serves to it (Parking._ladder)."""
+        key = tuple(tokens)
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                return key in self._queued
+            e.used = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(e.path)  # the order a restart reads
+        return True
+
     def takes(self, n_tokens: int, nbytes: int) -> bool:
         """Whether put would queue the state of n_tokens (nbytes at most) now: one it keeps, and not while the disk is
         behind (see put)."""

@@ -59,7 +59,8 @@ class Residents:
             if victim is None:
                 return False
             self.drop(victim)
-        r = Slot(self._free.pop(0), last_used=slot.last_used, prompt_len=slot.prompt_len, editor=slot.editor)
+        r = Slot(self._free.pop(0), last_used=slot.last_used, prompt_len=slot.prompt_len, resumed=slot.resumed,
+                 editor=slot.editor)
         self.ctx.seq_cp(slot.id, r.id)
         r.reset(list(slot.tokens))
         self.held.append(r)
@@ -146,7 +147,7 @@ class Residents:
             self.ctx.seq_rm(vehicle.id)
             self.ctx.seq_cp(r.id, vehicle.id)
             vehicle.reset(list(r.tokens))
-            vehicle.last_used, vehicle.prompt_len = r.last_used, r.prompt_len
+            vehicle.last_used, vehicle.prompt_len, vehicle.resumed = r.last_used, r.prompt_len, r.resumed
             self._release(r)
             yield vehicle
 

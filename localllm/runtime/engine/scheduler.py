@@ -562,7 +562,7 @@ class Engine(ThreadSubmit):
         job.timings.cache_tier = used if n else ""
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
-        dst.prompt_len, dst.editor, dst.parked_at, dst.ahead = len(prompt), editor, -1, []
+        dst.prompt_len, dst.resumed, dst.editor, dst.parked_at, dst.ahead = len(prompt), n, editor, -1, []
         job.pending = prompt[n:]
         # llama-server's cuts (its greedy output) for a cold prompt; none for a continuation of a cached history (a
         # chat's next turn: a decode call saved) where no checkpoint needs a batch to end

@@ -129,6 +129,7 @@ class Slot:
     last_used: float = 0.0
     editor: bool = False  # the request it last served was an editor's (Request.editor)
     prompt_len: int = 0  # the prompt of the request it last served (tokens[:prompt_len]): a checkpoint's cut
+    resumed: int = 0  # how much of that prompt a history already held served (the slot's, a copy, a parked state)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
     parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
     parked_ram: bool = False  # ... and whether the RAM tier took it then
@@ -142,6 +143,7 @@ class Slot:
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the history (the caller removed the rest from the KV cache)."""
         del self.tokens[n:]
+        self.resumed = min(self.resumed, n)
         self.checkpoints = [c for c in self.checkpoints if c.n <= n]
         self.parked_at = -1
         self.ahead = []
