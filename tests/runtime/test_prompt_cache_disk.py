@@ -367,6 +367,36 @@ def test_a_chats_next_turn_leaves_a_new_question_to_the_state_it_resumed(tmp_pat
         assert verdict.ok, verdict
 
 
+@pytest.mark.parametrize("idle", [True, False], ids=["idle", "closed-at-once"])
+def test_states_parked_while_the_disk_queue_was_full_reach_the_disk_later(tiny_path: Path, tmp_path: Path,
+                                                                          idle: bool) -> None:
+    """Requests back to back: the disk tier writes only while the engine is quiet, its queue fills, and the states
+    parked meanwhile went to RAM only, lost at a restart. The idle engine now offers them to the disk again (the same
+    blobs), and an engine closing offers what is left. Fails before: the chat parked in the burst never reached the
+    disk, and after a restart its next turn was computed again."""
+    disk_cache = (str(tmp_path / "cache"), 64 << 20, 32)
+    kw = {"n_ctx": 1024, "slots": 1, "threads": 2, "min_park_tokens": 32, "disk_cache": disk_cache}
+    chats = [[(k * m) % 250 + 3 for k in range(300)] for m in (3, 5, 7)]
+    with Engine(tiny_path, **kw) as e:
+        disk = e._parked.disk
+        assert disk is not None
+        disk.max_queued_bytes = 1  # one state queued at a time: the next is refused while it waits
+        streams = [e.submit(Request(c, GREEDY, max_tokens=24, ignore_eos=True)) for c in chats]
+        firsts = [[t for ch in s for t in ch.tokens] for s in streams]  # one slot: each parks the one before
+        assert e.stats()["disk_states"] <= 1  # the burst: the first parked state at most
+        middle = (*chats[1], *firsts[1][:-1])  # the reply's last token was sampled, never decoded
+        if idle:
+            deadline = time.monotonic() + 10
+            while not disk.holds(middle) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert disk.holds(middle)  # offered again once the engine idled
+    turn = [*chats[1], *firsts[1], 300, 301]
+    with Engine(tiny_path, **kw) as e:
+        again = e.generate(Request(turn, GREEDY, max_tokens=5, ignore_eos=True))
+    assert again.timings.cache_tier == "disk" and again.usage.cached_tokens == len(middle)
+    assert again.tokens == _fresh(tiny_path, turn, 5)
+
+
 def test_a_runner_writes_its_slots_to_disk_when_unloaded(tiny_path: Path, tmp_path: Path) -> None:
     """The server's engines live in runner processes: unloading one (keep_alive, a swap, shutdown) must
     leave its histories on disk for the next load; the streams in flight still end as unloaded."""

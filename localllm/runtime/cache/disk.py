@@ -171,12 +171,12 @@ class DiskStates:
     def takes(self, n_tokens: int, nbytes: int) -> bool:
         """Whether put would queue the state of n_tokens (nbytes at most) now: one it keeps, and not while the disk is
         behind (see put)."""
-        if not self._keeps(n_tokens, nbytes):
+        if not self.keeps(n_tokens, nbytes):
             return False
         with self._lock:
             return self._has_room(nbytes)
 
-    def _keeps(self, n_tokens: int, nbytes: int) -> bool:
+    def keeps(self, n_tokens: int, nbytes: int) -> bool:
         """A state of n_tokens (nbytes) is long enough to be worth a file, and its file fits the budget."""
         return n_tokens >= self.min_tokens and nbytes + _HEAD.size + 4 * n_tokens <= self.budget
 
@@ -231,7 +231,7 @@ class DiskStates:
     # ---- writing ---------------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
         """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep."""
-        if not self._keeps(len(tokens), len(blob)):
+        if not self.keeps(len(tokens), len(blob)):
             return False
         key = tuple(tokens)
         with self._lock:

@@ -198,10 +198,9 @@ class Parking:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
         self._checkpoints(slot, keep, in_ram, len(blob))  # before the full state: RAM drops prefixes it makes redundant
-        if self.disk is not None:
-            self.disk.put(slot.tokens, blob, pos_min)
+        offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
-            in_ram = self.ram.put(slot.tokens, blob, pos_min)
+            in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered)
         self.count += in_ram
         return in_ram
 
@@ -234,10 +233,10 @@ class Parking:
             if blob is None:
                 continue
             pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
-            if to_disk:
-                self.checkpoints += self.disk.put(slot.tokens[:c], blob, pos_min)
+            offered = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
+            self.checkpoints += offered
             if to_ram:
-                self.ram.put(slot.tokens[:c], blob, pos_min)
+                self.ram.put(slot.tokens[:c], blob, pos_min, offered=offered)
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
         """The disk tier's cuts before the end of the slot's last prompt (for a new question after a restart): 32, 128
@@ -315,6 +314,28 @@ class Parking:
         todo = [s for s in slots if s.job is None and s.parked_at != len(s.tokens)
                 and len(s.tokens) >= self.min_tokens] if self.enabled else []
         return max(todo, key=lambda s: s.last_used, default=None)
+
+    @property
+    def behind(self) -> bool:
+        """The RAM tier holds states the disk tier was never offered (see spill)."""
+        return self.disk is not None and bool(self.ram.unoffered())
+
+    def spill(self, wait_s: float = 0.0) -> bool:
+        """Offer the disk tier the RAM tier's states it was never offered, most recently parked first: those parked
+        while its write queue was full (requests back to back: the writer writes only while the engine is quiet).
+        The same blobs, no copy; without this they were lost at a restart. Up to what the queue takes now, or, with
+        `wait_s` (closing), waiting that long for it to drain. True when none is left."""
+        if self.disk is None:
+            return True
+        deadline = time.monotonic() + wait_s
+        for key, p in self.ram.unoffered():
+            if self.disk.keeps(len(key), len(p.blob)):
+                while not self.disk.put(key, p.blob, p.pos_min):  # the queue is full
+                    if time.monotonic() >= deadline:
+                        return False
+                    self.disk.flush(deadline - time.monotonic())
+            p.offered = True
+        return True
 
     def engine_busy(self, busy: bool) -> None:
         """Whether the engine is about to compute: the disk tier writes only while it is not. Called every
@@ -418,6 +439,7 @@ class Parking:
                     break
                 if s.job is None:
                     self.park(s, keep=0, ram=False)
+            self.spill(max(0.0, budget_s - (time.monotonic() - t0)))  # then what only the RAM tier holds
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
             self.cost.save(self.disk.dir / RATES_FILE)  # after the last writes, which time the disk too

@@ -185,11 +185,12 @@ class Shelf(Generic[V]):
         return list(self._heads.get(tuple(prompt[:MIN_REUSE]), {}).items())
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Parked:
     blob: bytes
     pos_min: int  # the first position the saved state holds
     hashes: tuple[int, ...]  # block_hashes of its key
+    offered: bool = False  # to the disk tier: queued there, held there already, or one it does not keep
 
 
 class StateLRU:
@@ -207,8 +208,9 @@ class StateLRU:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
-        """Park `blob`, the state of `tokens` whose KV starts at position `pos_min` (see kv_holds)."""
+    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0, offered: bool = False) -> bool:
+        """Park `blob`, the state of `tokens` whose KV starts at position `pos_min` (see kv_holds); `offered`: the
+        disk tier has it or was offered it."""
         key = tuple(tokens)
         if len(blob) > self.budget:
             return False
@@ -220,7 +222,7 @@ class StateLRU:
             self._drop(k)
         while self.used + len(blob) > self.budget and self._items:
             self._drop(next(iter(self._items)))
-        self._items[key] = _Parked(blob, pos_min, block_hashes(key))
+        self._items[key] = _Parked(blob, pos_min, block_hashes(key), offered)
         self.used += len(blob)
         return True
 
@@ -231,6 +233,10 @@ class StateLRU:
         token attends to (kv_holds).
         """
         return longest([(k, p.pos_min, p.hashes) for k, p in self._items.near(prompt)], prompt, n_swa, cap)
+
+    def unoffered(self) -> list[tuple[tuple[int, ...], _Parked]]:
+        """The states never offered to the disk tier, most recently parked first (Parking.spill marks them)."""
+        return [(k, p) for k, p in reversed(self._items.items()) if not p.offered]
 
     def take(self, key: tuple[int, ...]) -> tuple[bytes, int]:
         """The state of `key` and its pos_min, forgotten (the caller restores it, or puts it back)."""

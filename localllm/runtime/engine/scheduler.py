@@ -391,10 +391,12 @@ class Engine(ThreadSubmit):
             self._parked.engine_busy(busy)
             turns = not busy and any(s.ahead for s in self.slots)  # next turns to open (_decode_ahead) first
             ahead = None if busy or turns else self._parked.ahead(self.slots)
+            # states parked while the disk tier's queue was full, offered to it again (Parking.spill)
+            behind = not (busy or turns) and ahead is None and self._parked.behind
             try:
                 if busy:
                     item = self._inbox.get_nowait()
-                elif not turns and ahead is None:
+                elif not turns and ahead is None and not behind:
                     item = self._inbox.get()
                 else:
                     try:
@@ -403,8 +405,10 @@ class Engine(ThreadSubmit):
                         if turns:
                             self._parked.engine_busy(True)
                             self._decode_ahead()
-                        else:
+                        elif ahead is not None:
                             self._parked.park_ahead(ahead)
+                        else:
+                            self._parked.spill()
                         continue
                 while True:
                     if item is not None:
