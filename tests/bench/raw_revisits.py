@@ -6,7 +6,8 @@ runs the bench's agent loop once, as in `localllm bench --workloads`: its turns 
 client puts after a reply (engine/openings.py). Prints the TTFT p50 of the revisits per round (and the prompt
 tokens each revisit computed, p50), and the ratios.
 
-    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--pause 0.5] [--no-agent]
+    python tests/bench/raw_revisits.py --llama-server PATH [--before DIR] [--rounds 4] [--pause 0.5] [--burst]
+                                       [--no-agent]
 
 --before: a checkout of an earlier localllm (a git worktree), run as a third side on its PYTHONPATH. Run this
 from outside the checkout (cd /tmp): `python -m` puts the working directory first on the path.
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pause", type=float, default=w.REVISIT_PAUSE, help="seconds before each request (0: the "
                     "workload bench's \"revisits\" row)")
+    ap.add_argument("--burst", action="store_true", help="before each server's revisits, the same revisits on other "
+                    "chats with no pause, unmeasured: states parked while the disk tier's queue is full")
     ap.add_argument("--no-agent", action="store_true", help="skip the agent loop: the servers learn a raw chat's "
                     "next turn from the revisits alone (histories restored where their replies ended)")
     a = ap.parse_args()
@@ -75,6 +78,8 @@ def main() -> None:
         for r in range(a.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
+                if a.burst:
+                    asyncio.run(w.revisits(servers[name], texts, f"{nonce}.burst.{r}", r, 0.0, "ttft"))
                 out = asyncio.run(w.revisits(servers[name], texts, f"{nonce}.{r}", r, a.pause, "ttft"))
                 got[name].append(out.metrics["ttft"])
                 computed[name].append(statistics.median(rows[-w.REVISIT_CHATS:]))
