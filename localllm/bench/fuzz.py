@@ -273,8 +273,8 @@ class _Fuzzer(Traffic):
                              f"totals: {rep.probes} checked, "
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
-            for k in ("parked", "restored", "hits_disk", "copied_prefix", "shifts", "drafted", "draft_accepted",
-                      "checkpoints", "checkpoint_restores", "ahead_tokens", "ahead_before_parking", "openings_observed",
+            for k in ("parked", "restored", "hits_disk", "disk_spilled", "copied_prefix", "shifts", "drafted",
+                      "draft_accepted", "checkpoints", "checkpoint_restores", "ahead_tokens", "ahead_before_parking", "openings_observed",
                       "guessed_openings", "kv_full", "steps", "resident_kept", "resident_served", "resident_dropped"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals

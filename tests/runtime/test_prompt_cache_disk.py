@@ -390,6 +390,7 @@ def test_states_parked_while_the_disk_queue_was_full_reach_the_disk_later(tiny_p
             while not disk.holds(middle) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert disk.holds(middle)  # offered again once the engine idled
+            assert e.stats()["disk_spilled"] >= 1
     turn = [*chats[1], *firsts[1], 300, 301]
     with Engine(tiny_path, **kw) as e:
         again = e.generate(Request(turn, GREEDY, max_tokens=5, ignore_eos=True))

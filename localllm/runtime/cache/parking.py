@@ -157,6 +157,7 @@ class Parking:
         self.window = window
         self.count = 0  # states parked in RAM so far
         self.checkpoints = 0  # prefix states written to the disk tier
+        self.spilled = 0  # RAM states offered to the disk tier after their park (spill)
         # the disk tier's writer times its writes into the same Rate
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
@@ -334,6 +335,7 @@ class Parking:
                     if time.monotonic() >= deadline:
                         return False
                     self.disk.flush(deadline - time.monotonic())
+                self.spilled += 1
             p.offered = True
         return True
 
@@ -460,5 +462,6 @@ class Parking:
         out = {"parked": self.count, "parked_states": len(self.ram), "parked_bytes": self.ram.used,
                "park_skipped": self.skipped}
         if self.disk is not None:
-            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used, disk_checkpoints=self.checkpoints)
+            out.update(disk_states=len(self.disk), disk_bytes=self.disk.used, disk_checkpoints=self.checkpoints,
+                       disk_spilled=self.spilled)
         return out
