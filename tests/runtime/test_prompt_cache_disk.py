@@ -125,6 +125,21 @@ def test_a_state_a_later_one_relies_on_counts_as_used(tmp_path: Path) -> None:
     assert tuple(keys[1]) not in d._index and tuple(keys[0]) in d._index
 
 
+def test_a_state_written_late_keeps_its_place_in_the_lru(tmp_path: Path) -> None:
+    """A state parked a while ago and offered to the disk tier only now (Parking.spill) is stamped with its park time,
+    not its write time: otherwise it would outlive states used after it."""
+    d = DiskStates(tmp_path, 3000, min_tokens=4)
+    d.put([1, *range(10, 20)], b"a" * 900, 0)
+    d.put([2, *range(10, 20)], b"b" * 900, 0, used=1000.0)  # parked long before the first was written
+    d.flush()
+    assert d._index[(2, *range(10, 20))].used == 1000.0
+    assert os.stat(d._index[(2, *range(10, 20))].path).st_mtime == 1000.0
+    d.put([3, *range(10, 20)], b"c" * 900, 0)
+    d.put([4, *range(10, 20)], b"d" * 900, 0)
+    d.flush()
+    assert (2, *range(10, 20)) not in d._index and (1, *range(10, 20)) in d._index
+
+
 def test_a_stored_prefix_of_a_new_state_is_redundant(tmp_path: Path) -> None:
     d = DiskStates(tmp_path, 1 << 20, min_tokens=4)
     d.put(list(range(6)), b"short", 0)
@@ -396,6 +411,32 @@ def test_states_parked_while_the_disk_queue_was_full_reach_the_disk_later(tiny_p
         again = e.generate(Request(turn, GREEDY, max_tokens=5, ignore_eos=True))
     assert again.timings.cache_tier == "disk" and again.usage.cached_tokens == len(middle)
     assert again.tokens == _fresh(tiny_path, turn, 5)
+
+
+def test_an_idle_history_not_worth_copying_does_not_hold_back_the_spill(tiny_path: Path, tmp_path: Path) -> None:
+    """Where copying a state costs more than computing it again (a fast GPU), the idle engine asks about its idle slot
+    again at every turn and never marks it parked; the states a burst left in RAM only must still reach the disk.
+    Fails before: the idle turns went to that slot alone."""
+    disk_cache = (str(tmp_path / "cache"), 64 << 20, 32)
+    chats = [[(k * m) % 250 + 3 for k in range(300)] for m in (3, 5, 7)]
+    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=32, disk_cache=disk_cache) as e:
+        disk = e._parked.disk
+        assert disk is not None
+        disk.max_queued_bytes = 1
+        streams = [e.submit(Request(c, GREEDY, max_tokens=24, ignore_eos=True)) for c in chats]
+        firsts = [[t for ch in s for t in ch.tokens] for s in streams]
+
+        def copying_does_not_pay() -> None:  # 1 GB/s of prompt tokens against 1 byte/s of state copies
+            e._parked.cost.prefill.reset(1e9, 1.0)
+            e._parked.cost.get.reset(1.0, 1.0)
+
+        e._control(copying_does_not_pay, 10)
+        middle = (*chats[1], *firsts[1][:-1])
+        deadline = time.monotonic() + 2  # CopyCost probes after 16 "no"s: 4 s of idle turns
+        while not disk.holds(middle) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert disk.holds(middle)
+        assert e.stats()["slots"][0]["n_tokens"] > 0  # the last chat stays in its slot, never parked ahead
 
 
 def test_a_runner_writes_its_slots_to_disk_when_unloaded(tiny_path: Path, tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ class DiskStates:
         self.budget, self.min_tokens = budget_bytes, min_tokens
         self._index: Shelf[_Entry] = Shelf()
         self._lock = threading.Lock()
-        self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int, float | None] | None] = queue.SimpleQueue()
         self._pending = 0
         # queued blobs are held in memory: bounded by max_queued_bytes, but for the one an empty queue always takes
         self._pending_bytes = 0
@@ -229,8 +229,10 @@ class DiskStates:
         self._remove(key)
 
     # ---- writing ---------------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0) -> bool:
-        """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep."""
+    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0, used: float | None = None) -> bool:
+        """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep. `used`: when it
+        was last used (time.time()), where that was before now: a state parked a while ago keeps its place in the
+        LRU instead of passing for the newest."""
         if not self.keeps(len(tokens), len(blob)):
             return False
         key = tuple(tokens)
@@ -242,7 +244,7 @@ class DiskStates:
             self._queued.add(key)
             self._pending += 1
             self._pending_bytes += len(blob)
-        self._todo.put((key, blob, pos_min))
+        self._todo.put((key, blob, pos_min, used))
         return True
 
     def flush(self, timeout: float = 60.0) -> None:
@@ -278,7 +280,7 @@ class DiskStates:
                     self._queued.discard(item[0])
                     self._idle.notify_all()
 
-    def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int) -> None:
+    def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int, used: float | None) -> None:
         path = self.dir / _name(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with tmp.open("wb") as f:  # the blob in one pass, checksummed as it is written; the header last
@@ -294,6 +296,8 @@ class DiskStates:
             f.write(_HEAD.pack(MAGIC, len(key), pos_min, len(blob), crc))
         os.replace(tmp, path)
         self.wrote.add(len(blob), busy)
+        if used is not None:
+            os.utime(path, (used, used))
         st = path.stat()
         entry = _Entry(path, pos_min, st.st_size, st.st_mtime, block_hashes(key))  # hashed outside the lock
         with self._lock:

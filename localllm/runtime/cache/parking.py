@@ -161,7 +161,7 @@ class Parking:
         # the disk tier's writer times its writes into the same Rate
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
-        self._taken_pos_min = 0  # of the state `take` last removed from RAM
+        self._taken_pos_min, self._taken_offered = 0, False  # of the state `take` last removed from RAM
         self._crowded: tuple[tuple[int, ...], int] = ((), 0)  # the state last refused in a crowded cache, how often
         if disk is not None:
             self.cost.load(disk.dir / RATES_FILE)
@@ -228,16 +228,17 @@ class Parking:
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
                 continue
-            to_disk = self.disk is not None and not self.disk.holds(slot.tokens[:c]) and self.disk.takes(c, nbytes)
+            held = self.disk is not None and self.disk.holds(slot.tokens[:c])
+            to_disk = self.disk is not None and not held and self.disk.takes(c, nbytes)
             to_ram = ram and c == end
             blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:
                 continue
             pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
-            offered = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
-            self.checkpoints += offered
+            put = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
+            self.checkpoints += put
             if to_ram:
-                self.ram.put(slot.tokens[:c], blob, pos_min, offered=offered)
+                self.ram.put(slot.tokens[:c], blob, pos_min, offered=held or put)
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
         """The disk tier's cuts before the end of the slot's last prompt (for a new question after a restart): 32, 128
@@ -330,8 +331,8 @@ class Parking:
             return True
         deadline = time.monotonic() + wait_s
         for key, p in self.ram.unoffered():
-            if self.disk.keeps(len(key), len(p.blob)):
-                while not self.disk.put(key, p.blob, p.pos_min):  # the queue is full
+            if self.disk.keeps(len(key), len(p.blob)) and not self.disk.holds(key):
+                while not self.disk.put(key, p.blob, p.pos_min, used=p.parked):  # the queue is full
                     if time.monotonic() >= deadline:
                         return False
                     self.disk.flush(deadline - time.monotonic())
@@ -392,7 +393,7 @@ class Parking:
         """The state to restore: removed from RAM (the slot holds it now; `refused` puts it back where the cache
         was only crowded), read and checked from disk."""
         if tier == "ram":
-            blob, self._taken_pos_min = self.ram.take(key)
+            blob, self._taken_pos_min, self._taken_offered = self.ram.take(key)
             return blob
         if self.disk is None:
             return None
@@ -421,7 +422,7 @@ class Parking:
             self._crowded = (key, n)
             if n <= MAX_CROWDED:
                 if tier == "ram":
-                    self.ram.put(key, blob, self._taken_pos_min)
+                    self.ram.put(key, blob, self._taken_pos_min, offered=self._taken_offered)
                 return
         if self._crowded[0] == key:
             self._crowded = ((), 0)
@@ -441,7 +442,8 @@ class Parking:
                     break
                 if s.job is None:
                     self.park(s, keep=0, ram=False)
-            self.spill(max(0.0, budget_s - (time.monotonic() - t0)))  # then what only the RAM tier holds
+            # then what only the RAM tier holds, in half the time left: the last states queued need the rest
+            self.spill(max(0.0, budget_s - (time.monotonic() - t0)) / 2)
         finally:
             self.disk.close(max(1.0, budget_s - (time.monotonic() - t0)))
             self.cost.save(self.disk.dir / RATES_FILE)  # after the last writes, which time the disk too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -191,6 +192,7 @@ class _Parked:
     pos_min: int  # the first position the saved state holds
     hashes: tuple[int, ...]  # block_hashes of its key
     offered: bool = False  # to the disk tier: queued there, held there already, or one it does not keep
+    parked: float = 0.0  # when (time.time()): where it is offered later, its file's place in the disk tier's LRU
 
 
 class StateLRU:
@@ -222,7 +224,7 @@ class StateLRU:
             self._drop(k)
         while self.used + len(blob) > self.budget and self._items:
             self._drop(next(iter(self._items)))
-        self._items[key] = _Parked(blob, pos_min, block_hashes(key), offered)
+        self._items[key] = _Parked(blob, pos_min, block_hashes(key), offered, time.time())
         self.used += len(blob)
         return True
 
@@ -238,10 +240,11 @@ class StateLRU:
         """The states never offered to the disk tier, most recently parked first (Parking.spill marks them)."""
         return [(k, p) for k, p in reversed(self._items.items()) if not p.offered]
 
-    def take(self, key: tuple[int, ...]) -> tuple[bytes, int]:
-        """The state of `key` and its pos_min, forgotten (the caller restores it, or puts it back)."""
-        pos_min = self._items[key].pos_min
-        return self._drop(key), pos_min
+    def take(self, key: tuple[int, ...]) -> tuple[bytes, int, bool]:
+        """The state of `key`, its pos_min and whether the disk tier was offered it, forgotten (the caller restores
+        it, or puts it back)."""
+        p = self._items[key]
+        return self._drop(key), p.pos_min, p.offered
 
     def size(self, key: tuple[int, ...]) -> int:
         return len(self._items[key].blob)

@@ -391,8 +391,9 @@ class Engine(ThreadSubmit):
             self._parked.engine_busy(busy)
             turns = not busy and any(s.ahead for s in self.slots)  # next turns to open (_decode_ahead) first
             ahead = None if busy or turns else self._parked.ahead(self.slots)
-            # states parked while the disk tier's queue was full, offered to it again (Parking.spill)
-            behind = not (busy or turns) and ahead is None and self._parked.behind
+            # states parked while the disk tier's queue was full, offered to it again (Parking.spill); also where
+            # `ahead` stays (a history not worth copying is asked again each time)
+            behind = not (busy or turns) and self._parked.behind
             try:
                 if busy:
                     item = self._inbox.get_nowait()
@@ -405,10 +406,11 @@ class Engine(ThreadSubmit):
                         if turns:
                             self._parked.engine_busy(True)
                             self._decode_ahead()
-                        elif ahead is not None:
-                            self._parked.park_ahead(ahead)
                         else:
-                            self._parked.spill()
+                            if ahead is not None:
+                                self._parked.park_ahead(ahead)
+                            if behind:
+                                self._parked.spill()
                         continue
                 while True:
                     if item is not None:
