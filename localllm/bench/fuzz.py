@@ -112,7 +112,9 @@ class _Fuzzer(Traffic):
         if self.rng.random() < 0.5:  # a sliding-window model's SWA layers at the window's size: checkpoints
             kw.setdefault("swa_full", False)
         if self.rng.random() < 0.5:  # small histories too, so the tiny models' episodes reach the disk
-            kw.setdefault("disk_cache", (self._disk_dir.name, 64 << 20, 16))
+            # now and then a write queue of one state: the rest park to RAM only, and the idle engine spills them
+            queue = 1 if self.rng_more.random() < 0.5 else 256 << 20
+            kw.setdefault("disk_cache", (self._disk_dir.name, 64 << 20, 16, queue))
         if self.spec is not None:
             kw["spec"] = self.spec
         elif self.drafting:  # in turn, so that a few episodes see every kind
@@ -249,7 +251,9 @@ class _Fuzzer(Traffic):
                      f"{kw.get('state_cache_bytes', 'default')}, min_park {kw['min_park_tokens']}, drafting "
                      f"{'lookup' if spec and spec.lookup else ''}{'+' if spec and spec.lookup and spec.draft_model else ''}"
                      f"{'draft' if spec and spec.draft_model else ''}{'none' if not spec else ''}"
-                     f"{', disk tier' if kw.get('disk_cache') else ''}{', SWA window' if kw.get('swa_full') is False else ''}")
+                     f"{', disk tier' if kw.get('disk_cache') else ''}"
+                     f"{' (a queue of one)' if kw.get('disk_cache', (0, 0, 0, 0))[3:] == (1,) else ''}"
+                     f"{', SWA window' if kw.get('swa_full') is False else ''}")
             self.system = self.tok("<start_of_turn>user\nYou are a careful assistant. ") + self.text_tokens(
                 self.rng.choice([self.window // 2, self.long_len()]), bos=False)
             self.editor = self.tok("# notes\n") + self.text_tokens(self.rng.randint(8, self.window), bos=False)

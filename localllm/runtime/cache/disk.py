@@ -101,7 +101,8 @@ class Rate:
 class DiskStates:
     """Parked states on disk for one model; thread-safe (the scheduler reads, a writer thread writes)."""
 
-    def __init__(self, folder: str | Path, budget_bytes: int, min_tokens: int = 256) -> None:
+    def __init__(self, folder: str | Path, budget_bytes: int, min_tokens: int = 256,
+                 max_queued_bytes: int = 256 << 20) -> None:
         self.dir = Path(folder)
         self.budget, self.min_tokens = budget_bytes, min_tokens
         self._index: Shelf[_Entry] = Shelf()
@@ -111,7 +112,7 @@ class DiskStates:
         # queued blobs are held in memory: bounded by max_queued_bytes, but for the one an empty queue always takes
         self._pending_bytes = 0
         self._queued: set[tuple[int, ...]] = set()  # their keys: a state queued twice is written once
-        self.max_queued_bytes = 256 << 20
+        self.max_queued_bytes = max_queued_bytes
         self._idle = threading.Condition(self._lock)
         self.wrote = Rate()  # bytes per second checksummed and written, waits for a quiet engine left out
         # set while the engine computes nothing (Parking.engine_busy): the writer waits for it before each piece

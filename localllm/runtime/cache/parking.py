@@ -25,8 +25,8 @@ from localllm.runtime.native.llama import Context, bindings_version
 
 def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
     """The disk tier for this context, or None. `disk_cache` = (the model's folder, byte budget[, the fewest
-    tokens worth a file]); states are kept per KV layout and llama.cpp version underneath, since a blob
-    only restores into the same."""
+    tokens worth a file[, the write queue's bytes]]); states are kept per KV layout and llama.cpp version underneath,
+    since a blob only restores into the same."""
     if not disk_cache or disk_cache[1] <= 0:
         return None
     folder, budget, *rest = disk_cache
