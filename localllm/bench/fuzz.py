@@ -278,8 +278,9 @@ class _Fuzzer(Traffic):
                              f"{rep.mismatches} mismatches, {rep.near_ties} near-ties")
                 stats = engine.stats()
             for k in ("parked", "restored", "hits_disk", "disk_spilled", "copied_prefix", "shifts", "drafted",
-                      "draft_accepted", "checkpoints", "checkpoint_restores", "ahead_tokens", "ahead_before_parking", "openings_observed",
-                      "guessed_openings", "kv_full", "steps", "resident_kept", "resident_served", "resident_dropped"):
+                      "draft_accepted", "checkpoints", "checkpoint_restores", "ahead_tokens", "ahead_before_parking",
+                      "openings_observed", "guessed_openings", "kv_full", "steps", "resident_kept", "resident_served",
+                      "resident_dropped"):
                 totals[k] = totals.get(k, 0) + int(stats.get(k, 0))
         rep.counters = totals
         rep.seconds = time.perf_counter() - t0
