@@ -320,7 +320,7 @@ class Parking:
     @property
     def behind(self) -> bool:
         """The RAM tier holds states the disk tier was never offered (see spill)."""
-        return self.disk is not None and bool(self.ram.unoffered())
+        return self.disk is not None and next(self.ram.unoffered(), None) is not None
 
     def spill(self, wait_s: float = 0.0) -> bool:
         """Offer the disk tier the RAM tier's states it was never offered, most recently parked first: those parked

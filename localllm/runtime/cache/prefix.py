@@ -236,9 +236,9 @@ class StateLRU:
         """
         return longest([(k, p.pos_min, p.hashes) for k, p in self._items.near(prompt)], prompt, n_swa, cap)
 
-    def unoffered(self) -> list[tuple[tuple[int, ...], _Parked]]:
+    def unoffered(self) -> Iterator[tuple[tuple[int, ...], _Parked]]:
         """The states never offered to the disk tier, most recently parked first (Parking.spill marks them)."""
-        return [(k, p) for k, p in reversed(self._items.items()) if not p.offered]
+        return ((k, p) for k, p in reversed(self._items.items()) if not p.offered)
 
     def take(self, key: tuple[int, ...]) -> tuple[bytes, int, bool]:
         """The state of `key`, its pos_min and whether the disk tier was offered it, forgotten (the caller restores
