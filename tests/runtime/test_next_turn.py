@@ -246,9 +246,9 @@ def test_openings_agree_on_markup_not_on_the_message() -> None:
     teaches nothing."""
     from localllm.runtime.engine.openings import Openings
 
-    text = {1: b"<end>", 2: b"\n", 3: b"<user>", 4: b"Tool", 5: b" result", 6: b" 2", 7: b" 3", 9: b"x"}
+    text = {1: b"<end>", 2: b"\n", 3: b"<user>", 4: b"Tool", 5: b" result", 6: b" 2", 7: b" 3", 8: b"y", 9: b"x"}
     control = {1, 3}
-    ops = Openings(lambda t, special: b"" if t in control and not special else text[t])
+    ops = Openings(lambda t, special: b"" if t in control and not special else text[t], lambda s: [])
     ops.observe(9, [9, 1, 2, 3, 2, 4, 5, 6])
     assert ops.guess() == []  # one continuation is no pattern
     ops.observe(8, [9, 1, 2, 3, 2, 4, 5, 7])  # the reply's last token left out
@@ -260,6 +260,63 @@ def test_openings_agree_on_markup_not_on_the_message() -> None:
     ops.observe(9, [9, 4, 5, 6])
     ops.observe(9, [9, 4, 5, 7])  # no line break, no control token: all that they share
     assert ops.guess() == [4, 5] and ops.guess(strict=True) == []  # strict: a sliding-window or recurrent model's
+
+
+def test_openings_learn_and_open_across_a_reply_end_merged_with_the_markup(gemma_file: Path) -> None:
+    """gemma-3's vocabulary merges a reply's last "." or "_" with the "<" of ChatML written as text (".<"): a prompt
+    that continues such a reply still teaches the opening, and the tokens decoded ahead are the prompt's own, not the
+    reply's last token and the learned tokens side by side."""
+    from localllm.runtime.engine.openings import Openings
+    from localllm.runtime.native.llama import Model
+
+    m = Model(gemma_file)
+    tok = lambda text: m.tokenize(text, add_special=False)
+    ops = Openings(m.token_to_piece, tok)
+    opening = "<|im_end|>\n<|im_start|>user\n"
+    for word, question in ((".", "Why?"), ("OK", "How?")):
+        assert len(tok(word)) == 1
+        ops.observe(tok(word)[0], tok(word + opening + question))
+    assert ops.guess(strict=True) == tok(opening)
+    history = tok("<|im_start|>assistant\nIt is called my_name")
+    last = tok("_")[0]
+    joined = tok("<|im_start|>assistant\nIt is called my_name_" + opening)
+    assert joined[:len(history)] == history and joined[len(history)] != last  # "_<": merged
+    assert ops.after(history, last, strict=True) == joined[len(history):]
+    assert ops.after(history, tok("OK")[0]) == [tok("OK")[0], *tok(opening)]  # no merge: the learned tokens
+
+
+def test_a_raw_chat_whose_reply_ends_in_a_merging_token_revisits_from_its_opening(gemma_file: Path) -> None:
+    """The workload bench's raw revisits on gemma-3-270m: a reply that ended in "." is followed by ".<|im_end|>",
+    tokenized ".<": the opening decoded ahead after the reply's "." (before: "." then "<") left the revisit at the
+    reply's end, and a sliding-window history parked with it served only its prompt's checkpoint. Now the revisit,
+    restored from RAM, computes only its message, with the reference's tokens."""
+    opening = "<|im_end|>\n<|im_start|>user\n"
+
+    def first(n: int) -> str:
+        return (f"<|im_start|>system\nYou answer briefly. This is chat {n}.<|im_end|>\n"
+                f"<|im_start|>user\nTell me about the number {n}.<|im_end|>\n<|im_start|>assistant\n")
+
+    with Engine(gemma_file, n_ctx=2048, slots=1, threads=2, min_park_tokens=8) as e:
+        def ask(text: str, word: str) -> None:  # a one-token reply, that token forced
+            (t,) = e.tokenize(word, add_special=False)
+            params = GenerationParams(temperature=0, logit_bias=[(t, 100.0)])
+            r = e.generate(Request(e.tokenize(text), params, max_tokens=1, guess_next_turn=True))
+            assert r.tokens == [t]
+
+        for n in (1, 2):  # two chats continued in place teach the opening
+            ask(first(n), "OK")
+            ask(first(n) + "OK" + opening + "Why?<|im_end|>\n<|im_start|>assistant\n", "OK")
+        ask(first(3), ".")
+        for _ in range(500):  # the idle engine decodes the reply's end and the opening
+            if e.slots[0].tokens == e.tokenize(first(3) + "." + opening):
+                break
+            time.sleep(0.01)
+        ask(first(4), "OK")  # takes the slot: chat 3 is parked with its opening
+        prompt = e.tokenize(first(3) + "." + opening + "And why is that?<|im_end|>\n<|im_start|>assistant\n")
+        got = e.generate(Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))
+        assert got.timings.cache_tier == "ram"
+        assert got.usage.cached_tokens == len(e.tokenize(first(3) + "." + opening))
+    _check(gemma_file, prompt, got.tokens, 6)
 
 
 def test_a_raw_prompts_next_turn_is_opened_with_what_earlier_turns_put_after_a_reply(tiny: Path) -> None:

@@ -15,13 +15,15 @@ from localllm.runtime.cache.prefix import common_prefix
 
 MAX_OPENING = 32  # tokens: longer, what two prompts share after a reply is more than markup
 MAX_REPLIES = 64  # replies' ends remembered for histories parked before their next turn came
+JOIN_CONTEXT = 4  # the history's last tokens tokenized again with the opening, to see that they come back unchanged
 
 
 class Openings:
     """The continuations seen after replies, and the opening they agree on."""
 
-    def __init__(self, piece: Callable[[int, bool], bytes]) -> None:
+    def __init__(self, piece: Callable[[int, bool], bytes], tokenize: Callable[[str], list[int]]) -> None:
         self._piece = piece  # Model.token_to_piece: (token, special) → bytes
+        self._tokenize = tokenize  # text → tokens as a raw prompt's are (no BOS added, control tokens parsed)
         self._seen: list[tuple[int, ...]] = []  # the last two, newest last
         self._ends: dict[int, bool] = {}  # token → whether markup can end with it
         self._guess: list[int] = []
@@ -54,10 +56,14 @@ class Openings:
     def observe(self, last: int, tail: Sequence[int]) -> None:
         """A prompt continued a reply's history (in place, or restored): `tail` is what it put after its decoded tokens,
         starting with the reply's `last` token (sampled, never decoded: the end of generation, or the token a length
-        limit stopped at). A prompt that left that token out (a client that trims the reply) teaches nothing."""
-        if len(tail) < 2 or tail[0] != last:
+        limit stopped at), or with a token that merged it with what follows (its text first). A prompt that left that
+        token out (a client that trims the reply) teaches nothing."""
+        if len(tail) < 2:
             return
-        self._seen = [*self._seen[-1:], tuple(tail[1:1 + MAX_OPENING])]
+        opening = tail[1:1 + MAX_OPENING] if tail[0] == last else self._unmerged(last, tail)
+        if not opening:
+            return
+        self._seen = [*self._seen[-1:], tuple(opening)]
         self.observed += 1
         if len(self._seen) == 2:
             a, b = self._seen
@@ -65,12 +71,48 @@ class Openings:
             ends = [i + 1 for i in range(n) if self._ends_markup(a[i])]
             self._guess, self._marked = list(a[:ends[-1] if ends else n]), bool(ends)
 
+    def _unmerged(self, last: int, tail: Sequence[int]) -> list[int]:
+        """The opening of a tail whose first token merged the reply's `last` with the markup after it (".<" for "."
+        then "<|im_end|>"), tokenized again without that token's text; empty where the tail does not start with it."""
+        head, first = self._piece(last, True), self._piece(tail[0], True)
+        if len(first) <= len(head) or not first.startswith(head):
+            return []
+        try:
+            text = (first[len(head):] + b"".join(self._piece(t, True) for t in tail[1:MAX_OPENING])).decode("utf-8")
+        except UnicodeDecodeError:
+            return []
+        return self._tokenize(text)[:MAX_OPENING]
+
     def guess(self, strict: bool = False) -> list[int]:
         """The opening the last two continuations agree on (empty until they do). `strict`: only one that ends where
         markup ends: a sliding-window model parks a history as its last window, and a recurrent one as its last
         state, so there a wrong guess costs more than its idle decode (a revisit that leaves it computes the reply
         again once the history was parked)."""
         return list(self._guess) if self._marked or not strict else []
+
+    def after(self, history: Sequence[int], last: int, strict: bool = False) -> list[int]:
+        """What to decode after `history` (its reply's `last` token sampled, not decoded) for the next raw prompt: that
+        token and the guessed opening, as the prompt's text will tokenize. A token may merge with the text after it: a
+        reply ending in "_" before "<|im_end|>" comes back as "_<" on gemma-3's vocabulary, so the learned tokens
+        decoded ahead (learned where the reply's end did not merge) would leave the prompt at the reply's last token,
+        and a sliding-window history parked with them serves only up to its last prompt's checkpoint (45 tokens
+        computed again in the workload bench's revisits, not 29). So the history's last tokens, that token and the
+        opening are tokenized again as text; where the history's come back unchanged the rest is what the prompt
+        holds. Where even they do not (a vocabulary whose text does not round-trip), the learned tokens as they are.
+        Empty without a guess."""
+        guess = self.guess(strict)
+        if not guess:
+            return []
+        learned = [last, *guess]
+        context = list(history[-JOIN_CONTEXT:])
+        try:
+            text = b"".join(self._piece(t, True) for t in context + learned).decode("utf-8")
+        except UnicodeDecodeError:  # the context cuts a character: judged by the tokens alone
+            return learned
+        joined = self._tokenize(text)
+        if joined[:len(context)] != context:
+            return learned
+        return joined[len(context):]
 
     def _ends_markup(self, token: int) -> bool:
         if token not in self._ends:

@@ -140,7 +140,8 @@ class Engine(ThreadSubmit):
         # idle histories kept in the KV cache under spare sequence ids where parking did not take them (a GPU, where
         # copying costs more than computing again; a full RAM tier): not where cells are a window's or a state
         self._residents = Residents(self.ctx, slots + (scratch == slots), enabled=resident and not self._checkpointing)
-        self._openings = Openings(self.model.token_to_piece)  # raw prompts' next turns, learned
+        self._openings = Openings(self.model.token_to_piece,  # raw prompts' next turns, learned
+                                  lambda text: self.model.tokenize(text, add_special=False))
         # jobs, control calls run on the scheduler thread, or None (a wake-up)
         self._inbox: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
@@ -938,11 +939,9 @@ class Engine(ThreadSubmit):
             self._openings.reply_ended(s.tokens, last)
         if req.next_turn:  # the template's: it starts with the end of generation, where a reply ended on its own
             return [*undecoded, *req.next_turn]
-        guess = self._openings.guess(strict=self._n_swa != 0) if raw else []
-        if not guess:
-            return []
-        self._counters["guessed_openings"] += 1
-        return [last, *guess]  # learned after the sampled token, whichever way the reply ended (Openings.observe)
+        ahead = self._openings.after(s.tokens, last, strict=self._n_swa != 0) if raw else []
+        self._counters["guessed_openings"] += bool(ahead)
+        return ahead
 
     def _finish(self, s: Slot, reason: str, *, text: str = "", tokens: list[int] | None = None,
                 error: Exception | None = None) -> None:
