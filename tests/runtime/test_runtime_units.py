@@ -100,7 +100,8 @@ def test_state_lru_budget_and_redundant_prefixes() -> None:
     assert lru.best([1, 2, 3, 4, 5]) == ((1, 2, 3, 4), 4)
     assert lru.put([5], b"w" * 50)  # over budget: the oldest ([9, 9]) goes
     assert lru.best([9, 9])[1] == 0 and lru.used == 80
-    assert lru.take((1, 2, 3, 4)) == (b"z" * 30, 0, False) and lru.used == 50  # never offered to a disk tier
+    p = lru.take((1, 2, 3, 4))
+    assert (p.blob, p.pos_min, p.offered) == (b"z" * 30, 0, False) and lru.used == 50  # never offered to a disk tier
     assert not lru.put([6], b"v" * 101)
 
 

@@ -78,6 +78,34 @@ def test_a_parked_chat_keeps_its_checkpoint_in_ram(swa_path: Path) -> None:
     assert again.tokens == _fresh(swa_path, a, 8)
 
 
+def test_parking_keeps_the_slots_checkpoint_beside_the_state_without_copying_a_prefix(
+        swa_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parking a history copies its whole state once: RAM keeps its last prompt's checkpoint as the slot had it, with
+    that state, and a regenerate restores the state, then the checkpoint over it. Before, RAM got a state of that
+    prefix of its own (the prefix's state copied out, then the checkpoint joined in: two more copies of a whole state
+    on the admission's path) as a second record. Fails before: 2 copies, 2 records."""
+    from localllm.runtime.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
+    a, b = _prompt(3), _prompt(4)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:
+        e.generate(Request(a, GREEDY, max_tokens=GEN, ignore_eos=True))
+        whole: list[int] = []  # state copies that are not checkpoints (b's prefill takes those)
+        real = e.ctx.state_seq_get
+
+        def spy(*args: object, **kw: object) -> bytes:
+            whole.extend([] if kw.get("partial") else [1])
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        e.ctx.state_seq_get = spy  # type: ignore[method-assign]
+        e.generate(Request(b, GREEDY, max_tokens=8, ignore_eos=True))  # takes the one slot: a is parked
+        assert len(whole) == 1 and len(e._parked.ram) == 1
+        again = e.generate(Request(a, GREEDY, max_tokens=8, ignore_eos=True))
+        assert e.stats()["checkpoint_restores"] == 1
+    assert again.timings.cache_tier == "ram" and again.usage.cached_tokens == len(a) - 4
+    assert again.tokens == _fresh(swa_path, a, 8)
+
+
 def test_a_checkpoint_reaches_the_disk_tier_and_serves_after_a_restart(swa_path: Path, tmp_path: Path) -> None:
     doc = _prompt(5, 300)
     disk = (tmp_path / "states", 1 << 30)

@@ -17,7 +17,15 @@ from typing import Any, ClassVar
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.cache.disk import DiskStates, Rate
-from localllm.runtime.cache.prefix import MIN_REUSE, RECURRENT, StateLRU, kv_holds, worth_reusing
+from localllm.runtime.cache.prefix import (
+    MIN_REUSE,
+    RECURRENT,
+    Checkpoint,
+    Parked,
+    StateLRU,
+    kv_holds,
+    worth_reusing,
+)
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.measured import read_json, write_json
 from localllm.runtime.native.llama import Context, bindings_version
@@ -161,7 +169,7 @@ class Parking:
         # the disk tier's writer times its writes into the same Rate
         self.cost = CopyCost(wrote=disk.wrote) if disk is not None else CopyCost()
         self.skipped = 0  # histories not parked: computing them again costs less here
-        self._taken_pos_min, self._taken_offered = 0, False  # of the state `take` last removed from RAM
+        self._taken: Parked | None = None  # the state `take` last removed from RAM
         self._crowded: tuple[tuple[int, ...], int] = ((), 0)  # the state last refused in a crowded cache, how often
         if disk is not None:
             self.cost.load(disk.dir / RATES_FILE)
@@ -198,14 +206,15 @@ class Parking:
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
-        self._checkpoints(slot, keep, in_ram, len(blob))  # before the full state: RAM drops prefixes it makes redundant
+        # before the full state: RAM drops prefixes it makes redundant
+        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob))
         offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
-            in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered)
+            in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered, checkpoint=checkpoint)
         self.count += in_ram
         return in_ram
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int) -> None:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int) -> Checkpoint | None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -214,9 +223,14 @@ class Parking:
         thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk, and not
         for the disk where it would refuse the prefix: one shorter than its fewest tokens, or while its write queue is
         full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
-        and 36 of its 40 states put then refused)."""
+        and 36 of its 40 states put then refused).
+
+        Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM keeps the last prompt's
+        as it is, returned here to go with the full state (StateLRU.put): restored over it, it serves that prefix
+        as in the slot. A cut of its own cost two copies of a whole state on the admission's path (the prefix's, then
+        the checkpoint joined in), 4.6 ms of a revisit's ~10 ms parking in the workload bench."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
-            return
+            return None
         n = len(slot.tokens)
         if self.window:  # only where the slot saved its SWA layers or state (Slot.checkpoints); the latest also in RAM
             swa = {c.n: c.blob for c in slot.checkpoints}
@@ -225,12 +239,15 @@ class Parking:
         else:
             end = min(slot.prompt_len, n)
             swa = dict.fromkeys({end, *self._ladder(slot, end)})
+        attached = None
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
                 continue
             held = self.disk is not None and self.disk.holds(slot.tokens[:c])
             to_disk = self.disk is not None and not held and self.disk.takes(c, nbytes)
             to_ram = ram and c == end
+            if to_ram and self.window:
+                attached, to_ram = Checkpoint(c, swa[c]), False
             blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
             if blob is None:
                 continue
@@ -239,6 +256,7 @@ class Parking:
             self.checkpoints += put
             if to_ram:
                 self.ram.put(slot.tokens[:c], blob, pos_min, offered=held or put)
+        return attached
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
         """The disk tier's cuts before the end of the slot's last prompt (for a new question after a restart): 32, 128
@@ -391,10 +409,11 @@ class Parking:
 
     def take(self, tier: str, key: tuple[int, ...]) -> bytes | None:
         """The state to restore: removed from RAM (the slot holds it now; `refused` puts it back where the cache
-        was only crowded), read and checked from disk."""
+        was only crowded; `taken_checkpoint` is what came with it), read and checked from disk."""
         if tier == "ram":
-            blob, self._taken_pos_min, self._taken_offered = self.ram.take(key)
-            return blob
+            self._taken = self.ram.take(key)
+            return self._taken.blob
+        self._taken = None
         if self.disk is None:
             return None
         t0 = time.perf_counter()
@@ -402,6 +421,11 @@ class Parking:
         if blob is not None:
             self.cost.copied("read", len(blob), time.perf_counter() - t0)
         return blob
+
+    @property
+    def taken_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint kept with the state `take` last gave from RAM (the slot's from its restore on)."""
+        return self._taken.checkpoint if self._taken is not None else None
 
     def restore(self, seq: int, blob: bytes, *, partial: bool = False) -> None:
         """Put a saved state into sequence `seq` (raises EngineError where llama.cpp refuses), timing the copy of
@@ -421,8 +445,9 @@ class Parking:
             n = self._crowded[1] + 1 if self._crowded[0] == key else 1
             self._crowded = (key, n)
             if n <= MAX_CROWDED:
-                if tier == "ram":
-                    self.ram.put(key, blob, self._taken_pos_min, offered=self._taken_offered)
+                if tier == "ram" and self._taken is not None:
+                    t = self._taken
+                    self.ram.put(key, blob, t.pos_min, offered=t.offered, checkpoint=t.checkpoint)
                 return
         if self._crowded[0] == key:
             self._crowded = ((), 0)

@@ -186,13 +186,30 @@ class Shelf(Generic[V]):
         return list(self._heads.get(tuple(prompt[:MIN_REUSE]), {}).items())
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """The part of a sequence's state that cannot be rolled back (a sliding-window model's SWA layers, kept at
+    the window's size, or a recurrent state), saved when the sequence held its first `n` tokens. Restored over
+    the full-attention layers' cells, which stay in place, it lets a prompt that shares only those n tokens
+    continue from there."""
+
+    n: int
+    blob: bytes
+
+
 @dataclass
-class _Parked:
+class Parked:
     blob: bytes
     pos_min: int  # the first position the saved state holds
     hashes: tuple[int, ...]  # block_hashes of its key
     offered: bool = False  # to the disk tier: queued there, held there already, or one it does not keep
     parked: float = 0.0  # when (time.time()): where it is offered later, its file's place in the disk tier's LRU
+    # a prefix the state also serves once restored, by restoring this over it (a window-sized SWA cache's)
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob) + (len(self.checkpoint.blob) if self.checkpoint is not None else 0)
 
 
 class StateLRU:
@@ -205,54 +222,67 @@ class StateLRU:
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.used = 0
-        self._items: Shelf[_Parked] = Shelf()
+        self._items: Shelf[Parked] = Shelf()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0, offered: bool = False) -> bool:
+    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0, offered: bool = False,
+            checkpoint: Checkpoint | None = None) -> bool:
         """Park `blob`, the state of `tokens` whose KV starts at position `pos_min` (see kv_holds); `offered`: the
-        disk tier has it or was offered it."""
+        disk tier has it or was offered it; `checkpoint`: kept with it, for the prefix it serves (best)."""
         key = tuple(tokens)
-        if len(blob) > self.budget:
+        parked = Parked(blob, pos_min, (), offered, time.time(), checkpoint)
+        if parked.nbytes > self.budget:
             return False
         if key in self._items:
             self._drop(key)
-        # a parked history that is a prefix of the new one, and holds no earlier positions, is redundant
+        # a parked history that is a prefix of the new one, and holds no earlier positions, is redundant (unless its
+        # checkpoint serves a prefix the new one cannot)
         for k in [k for k, p in self._items.items() if len(k) <= len(key) and key[:len(k)] == k
-                  and p.pos_min >= pos_min]:
+                  and p.pos_min >= pos_min and p.checkpoint is None]:
             self._drop(k)
-        while self.used + len(blob) > self.budget and self._items:
+        while self.used + parked.nbytes > self.budget and self._items:
             self._drop(next(iter(self._items)))
-        self._items[key] = _Parked(blob, pos_min, block_hashes(key), offered, time.time())
-        self.used += len(blob)
+        parked.hashes = block_hashes(key)
+        self._items[key] = parked
+        self.used += parked.nbytes
         return True
 
     def best(self, prompt: Sequence[int], n_swa: int = 0, cap: int | None = None) -> tuple[tuple[int, ...] | None, int]:
         """(key, reusable length) of the parked state that can serve the longest prefix of `prompt`.
 
         The length is at most `cap`, and only counts where the saved KV still holds what the next
-        token attends to (kv_holds).
+        token attends to (kv_holds), or is its checkpoint's, which the prompt shares whole.
         """
-        return longest([(k, p.pos_min, p.hashes) for k, p in self._items.near(prompt)], prompt, n_swa, cap)
+        near = self._items.near(prompt)
+        key, n = longest([(k, p.pos_min, p.hashes) for k, p in near], prompt, n_swa, cap)
+        bound = len(prompt) if cap is None else min(cap, len(prompt))
+        head: tuple[int, ...] | None = None  # the prompt as a tuple: slices of one type compare in one C call
+        for k, p in near:
+            c = p.checkpoint
+            if c is not None and n < c.n <= bound:
+                head = tuple(prompt[:bound]) if head is None else head
+                if k[:c.n] == head[:c.n]:
+                    key, n = k, c.n
+        return key, n
 
-    def unoffered(self) -> Iterator[tuple[tuple[int, ...], _Parked]]:
+    def unoffered(self) -> Iterator[tuple[tuple[int, ...], Parked]]:
         """The states never offered to the disk tier, most recently parked first (Parking.spill marks them)."""
         return ((k, p) for k, p in reversed(self._items.items()) if not p.offered)
 
-    def take(self, key: tuple[int, ...]) -> tuple[bytes, int, bool]:
-        """The state of `key`, its pos_min and whether the disk tier was offered it, forgotten (the caller restores
-        it, or puts it back)."""
+    def take(self, key: tuple[int, ...]) -> Parked:
+        """The state of `key` (its blob, pos_min, whether the disk tier was offered it, its checkpoint), forgotten
+        (the caller restores it, or puts it back)."""
         p = self._items[key]
-        return self._drop(key), p.pos_min, p.offered
+        self._drop(key)
+        return p
 
     def size(self, key: tuple[int, ...]) -> int:
         return len(self._items[key].blob)
 
-    def _drop(self, key: tuple[int, ...]) -> bytes:
-        blob = self._items.pop(key).blob
-        self.used -= len(blob)
-        return blob
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.used -= self._items.pop(key).nbytes
 
     def clear(self) -> None:
         self._items.clear()

@@ -535,6 +535,8 @@ class Engine(ThreadSubmit):
                 try:
                     self._parked.restore(dst.id, blob)  # type: ignore[arg-type]
                     dst.reset(list(key))  # type: ignore[arg-type]
+                    if (c := self._parked.taken_checkpoint) is not None:
+                        dst.checkpoint(c.n, c.blob)
                     self._openings.follow_restored(prompt, dst.tokens)
                     self._counters["restored"] += 1
                     used = tier
@@ -544,11 +546,10 @@ class Engine(ThreadSubmit):
                     self._counters["restores_refused"] += 1
                     self._parked.refused(tier, key, blob, crowded=crowded)  # type: ignore[arg-type]
             n = self._reusable(dst, prompt, cap, spans)
-        else:
-            if n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
-                self._set_aside(dst, n, room)
-            if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
-                n = self._restore_checkpoint(dst, n)
+        elif n < dst.prompt_len - CHECKPOINT_TAIL:  # not when what goes is only the reply: a regenerate drops it
+            self._set_aside(dst, n, room)
+        if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):
+            n = self._restore_checkpoint(dst, n)  # the slot's own, or one restored with a parked state
         if gain and copy:
             self._clear_idle(dst, len(prompt) - n_src)
         if n and not kv_holds(self.ctx.seq_pos_min(dst.id), n, self._n_swa):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from localllm.runtime.cache.prefix import Checkpoint
 from localllm.runtime.engine import probs as token_probs
 from localllm.runtime.engine.media import Span
 from localllm.runtime.engine.stream import StreamState
@@ -106,17 +107,6 @@ class Job:
 SlotState = Literal["idle", "prefill", "generate"]
 
 CHECKPOINTS_PER_SLOT = 4  # llama-server keeps up to 8 per slot (--ctx-checkpoints); a slot here seldom needs more
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The part of a sequence's state that cannot be rolled back (a sliding-window model's SWA layers, kept at
-    the window's size, or a recurrent state), saved when the sequence held its first `n` tokens. Restored over
-    the full-attention layers' cells, which stay in place, it lets a prompt that shares only those n tokens
-    continue from there."""
-
-    n: int
-    blob: bytes
 
 
 @dataclass
