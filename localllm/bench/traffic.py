@@ -131,11 +131,13 @@ class Traffic:
                         f"{self.rng.choice(['in', 'with', 'for'])} {self.rng.choice(_WORDS)}.")
 
     def opening(self) -> list[int]:
-        """How every next turn (sc_continue's question) opens: what requests say is their next_turn."""
-        return self.tok(" Question:", False)
+        """How every next turn (sc_continue's question) opens: what requests say is their next_turn. It ends on a line
+        break, as chat markup does: a sliding-window model's engine guesses only such openings for raw prompts
+        (Openings.guess, strict), and without one the fuzzer never had it guess."""
+        return self.tok(" Question:\n", False)
 
     def question(self) -> list[int]:
-        return self.opening() + self.tok(" " + self.rng.choice(_QUESTIONS) + " Answer:", False)
+        return self.opening() + self.tok(self.rng.choice(_QUESTIONS) + " Answer:", False)
 
     def sharing_probe(self) -> list[int]:
         """An earlier prompt cut somewhere (often beyond the window) with a new ending."""

@@ -105,6 +105,8 @@ class Openings:
             return []
         learned = [last, *guess]
         context = list(history[-JOIN_CONTEXT:])
+        if any(t < 0 for t in context):  # an image's positions: no text to tokenize again
+            return learned
         try:
             text = b"".join(self._piece(t, True) for t in context + learned).decode("utf-8")
         except UnicodeDecodeError:  # the context cuts a character: judged by the tokens alone
