@@ -283,6 +283,15 @@ def test_openings_learn_and_open_across_a_reply_end_merged_with_the_markup(gemma
     assert joined[:len(history)] == history and joined[len(history)] != last  # "_<": merged
     assert ops.after(history, last, strict=True) == joined[len(history):]
     assert ops.after(history, tok("OK")[0]) == [tok("OK")[0], *tok(opening)]  # no merge: the learned tokens
+    # a client that sends token ids keeps the reply's last token apart where its text would merge: the learned tokens
+    ids = Openings(m.token_to_piece, tok)
+    for word, question in ((".", "Why?"), ("OK", "How?")):
+        ids.observe(tok(word)[0], [tok(word)[0], *tok(opening + question)])
+    assert not ids.text and ids.after(history, last, strict=True) == [last, *tok(opening)]
+    # an image's positions (negative ids) right after the reply, or after merged markup, have no text: no error
+    ids.observe(last, [-3, *tok(opening)])
+    ids.observe(tok(".")[0], [*tok("." + opening), -3, -3])
+    assert ids.text and ids.guess(strict=True) == tok(opening)
 
 
 def test_a_raw_chat_whose_reply_ends_in_a_merging_token_revisits_from_its_opening(gemma_file: Path) -> None:

@@ -480,6 +480,30 @@ def test_gemma_chat_revisited_with_its_reply_trimmed_comes_from_ram(gemma_file: 
         assert verdict.ok, verdict
 
 
+def test_a_gemma_chat_shorter_than_the_window_keeps_one_state_in_ram(gemma_file: Path) -> None:
+    """A chat shorter than gemma-3's 512-token window, parked ahead while idle after each turn: its state serves every
+    prefix itself, so no checkpoint goes with it, and the second turn's state replaces the first's in RAM. Found in
+    review: the checkpoint went with it anyway, and kept the first turn's state beside the second's."""
+    text = "The history of the printing press begins in China, where woodblocks were used. " * 12
+    with Engine(gemma_file, n_ctx=2048, slots=1, threads=2, min_park_tokens=16, swa_full=False) as e:
+        def parked_ahead() -> None:  # by the idle engine: the history's cells stay in the slot
+            for _ in range(300):
+                if e.slots[0].parked_at == len(e.slots[0].tokens):
+                    return
+                time.sleep(0.01)
+            raise AssertionError("not parked ahead")
+
+        chat = e.tokenize(text)
+        assert 100 < len(chat) < 400
+        first = e.generate(Request(chat, GREEDY, max_tokens=8, ignore_eos=True))
+        parked_ahead()
+        turn = chat + first.tokens + e.tokenize(" Then it reached Europe.", add_special=False)
+        e.generate(Request(turn, GREEDY, max_tokens=8, ignore_eos=True))
+        parked_ahead()
+        held = [k for k in e._parked.ram._items if k[:len(chat)] == tuple(chat)]
+        assert len(held) == 1 and len(held[0]) > len(turn)
+
+
 def test_a_state_that_finds_no_room_in_the_kv_cache_stays_on_disk(tiny_path: Path, tmp_path: Path) -> None:
     """A restore that fails because a busy request fills the KV cache is no verdict on the state: its file stays and
     serves a later request. Before, every failed restore deleted the file, as if llama.cpp had refused a damaged

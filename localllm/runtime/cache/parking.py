@@ -11,7 +11,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -207,14 +207,14 @@ class Parking:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
         # before the full state: RAM drops prefixes it makes redundant
-        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob))
+        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
         offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
             in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered, checkpoint=checkpoint)
         self.count += in_ram
         return in_ram
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int) -> Checkpoint | None:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int) -> Checkpoint | None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -225,10 +225,13 @@ class Parking:
         full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
         and 36 of its 40 states put then refused).
 
-        Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM keeps the last prompt's
-        as it is, returned here to go with the full state (StateLRU.put): restored over it, it serves that prefix
-        as in the slot. A cut of its own cost two copies of a whole state on the admission's path (the prefix's, then
-        the checkpoint joined in), 4.6 ms of a revisit's ~10 ms parking in the workload bench."""
+        None where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
+        shorter than the window). Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM
+        keeps the last prompt's as it is, returned here to go with the full state (StateLRU.put): restored over it, it
+        serves that prefix as in the slot. A cut of its own cost two copies of a whole state on the admission's path
+        (the prefix's, then the checkpoint joined in), 4.6 ms of a revisit's ~10 ms parking in the workload bench.
+        The price: where the disk's queue is full, the disk gets that prefix's state neither now nor later (spill
+        offers the history's state alone), so after a restart a regenerate of such a chat computes its prompt again."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
             return None
         n = len(slot.tokens)
@@ -241,7 +244,7 @@ class Parking:
             swa = dict.fromkeys({end, *self._ladder(slot, end)})
         attached = None
         for c in sorted(swa):
-            if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(n - self.n_swa, c, self.n_swa)):
+            if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(held_from, c, self.n_swa)):
                 continue
             held = self.disk is not None and self.disk.holds(slot.tokens[:c])
             to_disk = self.disk is not None and not held and self.disk.takes(c, nbytes)
@@ -411,8 +414,9 @@ class Parking:
         """The state to restore: removed from RAM (the slot holds it now; `refused` puts it back where the cache
         was only crowded; `taken_checkpoint` is what came with it), read and checked from disk."""
         if tier == "ram":
-            self._taken = self.ram.take(key)
-            return self._taken.blob
+            taken = self.ram.take(key)
+            self._taken = replace(taken, blob=b"")  # what a put back needs, not a second hold on the state
+            return taken.blob
         self._taken = None
         if self.disk is None:
             return None
@@ -482,6 +486,7 @@ class Parking:
                 if drafter is not None:
                     drafter.forget(s.id)
         self.ram.clear()
+        self._taken = None
         if self.disk is not None:
             self.disk.clear()
 

@@ -8,6 +8,7 @@ guess the next prompt does not follow costs only that idle decode: the reuse sto
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,9 @@ class Openings:
         self._marked = False  # the guess ends after a line break or a control token
         self._replies: OrderedDict[tuple[int, int], int] = OrderedDict()  # (length, hash) of a history → its last
         self.observed = 0
+        # the client sends text, tokenized whole, so a reply's last token may merge with what follows (after); until
+        # an observation keeps that token apart where its text would merge: a client that sends token ids
+        self.text = True
 
     def reply_ended(self, history: Sequence[int], last: int) -> None:
         """A raw prompt's reply ended where `history` ends (`last` sampled, not decoded). Where the history is parked
@@ -58,9 +62,15 @@ class Openings:
         starting with the reply's `last` token (sampled, never decoded: the end of generation, or the token a length
         limit stopped at), or with a token that merged it with what follows (its text first). A prompt that left that
         token out (a client that trims the reply) teaches nothing."""
-        if len(tail) < 2:
+        if len(tail) < 2 or tail[0] < 0:  # an image right after the reply
             return
-        opening = tail[1:1 + MAX_OPENING] if tail[0] == last else self._unmerged(last, tail)
+        if tail[0] == last:
+            opening = _text_only(tail[1:1 + MAX_OPENING])
+            if opening and self._merges(last, opening):
+                self.text = False
+        else:
+            opening = self._unmerged(last, tail)
+            self.text = self.text or bool(opening)
         if not opening:
             return
         self._seen = [*self._seen[-1:], tuple(opening)]
@@ -77,11 +87,14 @@ class Openings:
         head, first = self._piece(last, True), self._piece(tail[0], True)
         if len(first) <= len(head) or not first.startswith(head):
             return []
-        try:
-            text = (first[len(head):] + b"".join(self._piece(t, True) for t in tail[1:MAX_OPENING])).decode("utf-8")
-        except UnicodeDecodeError:
-            return []
-        return self._tokenize(text)[:MAX_OPENING]
+        rest = b"".join(self._piece(t, True) for t in _text_only(tail[1:MAX_OPENING]))
+        # a character the cut splits is dropped: the opening is markup before the message
+        return self._tokenize((first[len(head):] + rest).decode("utf-8", errors="ignore"))[:MAX_OPENING]
+
+    def _merges(self, last: int, opening: Sequence[int]) -> bool:
+        """Whether `last` followed by the opening's text tokenizes into another first token (".<" for "." then "<")."""
+        text = b"".join(self._piece(t, True) for t in (last, *opening[:3])).decode("utf-8", errors="ignore")
+        return self._tokenize(text)[:1] != [last]
 
     def guess(self, strict: bool = False) -> list[int]:
         """The opening the last two continuations agree on (empty until they do). `strict`: only one that ends where
@@ -95,15 +108,17 @@ class Openings:
         token and the guessed opening, as the prompt's text will tokenize. A token may merge with the text after it: a
         reply ending in "_" before "<|im_end|>" comes back as "_<" on gemma-3's vocabulary, so the learned tokens
         decoded ahead (learned where the reply's end did not merge) would leave the prompt at the reply's last token,
-        and a sliding-window history parked with them serves only up to its last prompt's checkpoint (45 tokens
+        and a sliding-window history parked with them serves only up to its last prompt's checkpoint (67 tokens
         computed again in the workload bench's revisits, not 29). So the history's last tokens, that token and the
         opening are tokenized again as text; where the history's come back unchanged the rest is what the prompt
-        holds. Where even they do not (a vocabulary whose text does not round-trip), the learned tokens as they are.
-        Empty without a guess."""
+        holds. Where even they do not (a vocabulary whose text does not round-trip), or the client sends token ids
+        (`text`), the learned tokens as they are. Empty without a guess."""
         guess = self.guess(strict)
         if not guess:
             return []
         learned = [last, *guess]
+        if not self.text:
+            return learned
         context = list(history[-JOIN_CONTEXT:])
         if any(t < 0 for t in context):  # an image's positions: no text to tokenize again
             return learned
@@ -122,3 +137,8 @@ class Openings:
             # a control token prints nothing as text; a line break ends a header ("<|im_start|>user\n")
             self._ends[token] = shown.endswith(b"\n") or (bool(shown) and not self._piece(token, False))
         return self._ends[token]
+
+
+def _text_only(tokens: Sequence[int]) -> list[int]:
+    """The tokens before the first image position (a negative id: no text, no piece)."""
+    return list(itertools.takewhile(lambda t: t >= 0, tokens))
