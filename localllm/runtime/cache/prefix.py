@@ -232,7 +232,7 @@ class StateLRU:
         """Park `blob`, the state of `tokens` whose KV starts at position `pos_min` (see kv_holds); `offered`: the
         disk tier has it or was offered it; `checkpoint`: kept with it, for the prefix it serves (best)."""
         key = tuple(tokens)
-        parked = Parked(blob, pos_min, (), offered, time.time(), checkpoint)
+        parked = Parked(blob, pos_min, block_hashes(key), offered, time.time(), checkpoint)
         if parked.nbytes > self.budget:
             return False
         if key in self._items:
@@ -244,7 +244,6 @@ class StateLRU:
             self._drop(k)
         while self.used + parked.nbytes > self.budget and self._items:
             self._drop(next(iter(self._items)))
-        parked.hashes = block_hashes(key)
         self._items[key] = parked
         self.used += parked.nbytes
         return True

@@ -87,13 +87,13 @@ class Openings:
         head, first = self._piece(last, True), self._piece(tail[0], True)
         if len(first) <= len(head) or not first.startswith(head):
             return []
-        rest = b"".join(self._piece(t, True) for t in _text_only(tail[1:MAX_OPENING]))
+        rest = self._bytes(_text_only(tail[1:MAX_OPENING]))
         # a character the cut splits is dropped: the opening is markup before the message
         return self._tokenize((first[len(head):] + rest).decode("utf-8", errors="ignore"))[:MAX_OPENING]
 
     def _merges(self, last: int, opening: Sequence[int]) -> bool:
         """Whether `last` followed by the opening's text tokenizes into another first token (".<" for "." then "<")."""
-        text = b"".join(self._piece(t, True) for t in (last, *opening[:3])).decode("utf-8", errors="ignore")
+        text = self._bytes([last, *opening[:3]]).decode("utf-8", errors="ignore")
         return self._tokenize(text)[:1] != [last]
 
     def guess(self, strict: bool = False) -> list[int]:
@@ -123,13 +123,17 @@ class Openings:
         if any(t < 0 for t in context):  # an image's positions: no text to tokenize again
             return learned
         try:
-            text = b"".join(self._piece(t, True) for t in context + learned).decode("utf-8")
+            text = self._bytes(context + learned).decode("utf-8")
         except UnicodeDecodeError:  # the context cuts a character: judged by the tokens alone
             return learned
         joined = self._tokenize(text)
         if joined[:len(context)] != context:
             return learned
         return joined[len(context):]
+
+    def _bytes(self, tokens: Sequence[int]) -> bytes:
+        """The tokens' text as a prompt holds it (control tokens written out, parsed back by `_tokenize`)."""
+        return b"".join(self._piece(t, True) for t in tokens)
 
     def _ends_markup(self, token: int) -> bool:
         if token not in self._ends:
