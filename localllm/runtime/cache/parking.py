@@ -22,6 +22,7 @@ from localllm.runtime.cache.prefix import (
     RECURRENT,
     Checkpoint,
     Parked,
+    RamRecord,
     StateLRU,
     kv_holds,
     worth_reusing,
@@ -186,11 +187,14 @@ class Parking:
         self.skipped += took is None
         return bool(took)
 
-    def _park(self, slot: Slot, keep: int, ram: bool = True) -> bool | None:
-        """park(); None where nothing was saved because computing the tokens again costs less (CopyCost)."""
+    def _park(self, slot: Slot, keep: int, ram: bool = True, hold: bool = False) -> bool | None:
+        """park(); None where nothing was saved because computing the tokens again costs less (CopyCost). `hold`:
+        RAM's records go on the slot (Slot.unput), not into RAM yet; True where there are any."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
+            if slot.unput and ram:
+                slot.parked_ram, slot.unput = self._put(slot.unput), []
             return slot.parked_ram
         size = self.ctx.state_seq_size(slot.id)
         if ram and not self.cost.pays_to_park(len(slot.tokens), size):
@@ -206,15 +210,26 @@ class Parking:
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
-        # before the full state: RAM drops prefixes it makes redundant
-        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
+        records: list[RamRecord] = []  # for RAM, in order: a prefix first, it drops those the full state makes redundant
+        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min, records)
         offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
-            in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered, checkpoint=checkpoint)
-        self.count += in_ram
-        return in_ram
+            records.append(RamRecord(tuple(slot.tokens), blob, pos_min, offered, checkpoint))
+        if hold:
+            slot.unput = records
+            return bool(records)
+        return self._put(records)
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int) -> Checkpoint | None:
+    def _put(self, records: list[RamRecord]) -> bool:
+        """Put RAM's records; whether it took the last (the history's own state, where there is one)."""
+        took = False
+        for r in records:
+            took = self.ram.put(r.tokens, r.blob, r.pos_min, offered=r.offered, checkpoint=r.checkpoint)
+        self.count += took
+        return took
+
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int,
+                     records: list[RamRecord]) -> Checkpoint | None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -258,7 +273,7 @@ class Parking:
             put = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
             self.checkpoints += put
             if to_ram:
-                self.ram.put(slot.tokens[:c], blob, pos_min, offered=held or put)
+                records.append(RamRecord(tuple(slot.tokens[:c]), blob, pos_min, held or put))
         return attached
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
@@ -333,8 +348,9 @@ class Parking:
         return self._cut_state(slot, c, partial=True)
 
     def ahead(self, slots: list[Slot]) -> Slot | None:
-        """The idle history to park next while the engine has nothing to do (most recently used first), if any."""
-        todo = [s for s in slots if s.job is None and s.parked_at != len(s.tokens)
+        """The idle history to park next while the engine has nothing to do (most recently used first), if any: one
+        not parked, or whose RAM records wait on it (Slot.unput)."""
+        todo = [s for s in slots if s.job is None and (s.parked_at != len(s.tokens) or s.unput)
                 and len(s.tokens) >= self.min_tokens] if self.enabled else []
         return max(todo, key=lambda s: s.last_used, default=None)
 
@@ -370,11 +386,14 @@ class Parking:
             else:
                 self.disk.quiet.set()
 
-    def park_ahead(self, slot: Slot) -> None:
+    def park_ahead(self, slot: Slot, *, at_once: bool = False) -> None:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes. One not worth copying is not marked: an unload
-        still saves it to disk (save_all)."""
-        took = self._park(slot, keep=0)  # asks CopyCost once: a probe's "yes" is not asked again
+        still saves it to disk (save_all). `at_once` (right after its request, where the next is likely another
+        chat's): copied, and offered to the disk, now; put into RAM only when the history goes (park). The next
+        request may come for RAM's oldest state, which its admission takes out before parking: a put now could
+        evict it."""
+        took = self._park(slot, keep=0, hold=at_once)  # asks CopyCost once: a probe's "yes" is not asked again
         if took is not None:
             slot.parked_ram, slot.parked_at = took, len(slot.tokens)
 

@@ -197,6 +197,18 @@ class Checkpoint:
     blob: bytes
 
 
+@dataclass(frozen=True)
+class RamRecord:
+    """A state for the RAM tier (StateLRU.put), copied while the engine idled right after its request and put when
+    its slot's history goes (Parking.park_ahead at_once)."""
+
+    tokens: tuple[int, ...]
+    blob: bytes
+    pos_min: int
+    offered: bool
+    checkpoint: Checkpoint | None = None
+
+
 @dataclass
 class Parked:
     blob: bytes
