@@ -345,3 +345,14 @@ def test_no_prefix_state_is_cut_for_the_disk_below_its_fewest_tokens(swa_path: P
         kept = sorted(len(k) for k in disk._index)
         assert len(copies) == 3  # the history (RAM and disk), its prompt's end (RAM and disk), the cut at 268
         assert kept == [268, 300, 303]  # the cut, the prompt, the history (its last sampled token not decoded)
+
+
+def test_join_bytes_copies_the_slices_in_order() -> None:
+    """The checkpoint's join (Parking._cut_state) copies outside the GIL: the same bytes as b"".join of the slices."""
+    from localllm.runtime.native.llama import join_bytes
+
+    a, b = os.urandom(3 << 20), os.urandom((1 << 20) + 77)
+    assert join_bytes((a, 0, 5000), (b, 8, len(b))) == a[:5000] + b[8:]
+    assert join_bytes((a, 10, 10)) == b""
+    with pytest.raises(ValueError, match="slice"):
+        join_bytes((a, 0, len(a) + 1))

@@ -22,14 +22,14 @@ from localllm.runtime.cache.prefix import (
     RECURRENT,
     Checkpoint,
     Parked,
-    RamRecord,
+    StateCopy,
     StateLRU,
     kv_holds,
     worth_reusing,
 )
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.measured import read_json, write_json
-from localllm.runtime.native.llama import Context, bindings_version
+from localllm.runtime.native.llama import Context, bindings_version, join_bytes
 
 
 def open_disk_tier(disk_cache: tuple[Any, ...] | None, ctx: Context, swa_full: bool) -> DiskStates | None:
@@ -189,12 +189,12 @@ class Parking:
 
     def _park(self, slot: Slot, keep: int, ram: bool = True, hold: bool = False) -> bool | None:
         """park(); None where nothing was saved because computing the tokens again costs less (CopyCost). `hold`:
-        RAM's records go on the slot (Slot.unput), not into RAM yet; True where there are any."""
+        the copies wait on the slot (Slot.unput), in no tier yet; True where RAM is to take one."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
-            if slot.unput and ram:
-                slot.parked_ram, slot.unput = self._put(slot.unput), []
+            if slot.unput:
+                slot.parked_ram, slot.unput = self._put(slot.unput, ram), []
             return slot.parked_ram
         size = self.ctx.state_seq_size(slot.id)
         if ram and not self.cost.pays_to_park(len(slot.tokens), size):
@@ -210,26 +210,30 @@ class Parking:
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
-        records: list[RamRecord] = []  # for RAM, in order: a prefix first, it drops those the full state makes redundant
-        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min, records)
-        offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
-        if in_ram:
-            records.append(RamRecord(tuple(slot.tokens), blob, pos_min, offered, checkpoint))
+        # a prefix first: RAM drops those the full state then makes redundant
+        copies, checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
+        copies.append(StateCopy(tuple(slot.tokens), blob, pos_min, self.disk is not None, in_ram,
+                                checkpoint=checkpoint))
         if hold:
-            slot.unput = records
-            return bool(records)
-        return self._put(records)
+            slot.unput = copies
+            return in_ram
+        return self._put(copies, ram)
 
-    def _put(self, records: list[RamRecord]) -> bool:
-        """Put RAM's records; whether it took the last (the history's own state, where there is one)."""
+    def _put(self, copies: list[StateCopy], ram: bool = True) -> bool:
+        """Hand the copies to their tiers (`ram` False: to the disk only); whether RAM took the history's."""
         took = False
-        for r in records:
-            took = self.ram.put(r.tokens, r.blob, r.pos_min, offered=r.offered, checkpoint=r.checkpoint)
+        for c in copies:
+            put = c.disk and self.disk is not None and self.disk.put(c.tokens, c.blob, c.pos_min)
+            self.checkpoints += put and c.prefix
+            if c.ram and ram:
+                kept = self.ram.put(c.tokens, c.blob, c.pos_min, offered=c.on_disk or put, checkpoint=c.checkpoint)
+                if not c.prefix:
+                    took = kept
         self.count += took
         return took
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int,
-                     records: list[RamRecord]) -> Checkpoint | None:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int,
+                     held_from: int) -> tuple[list[StateCopy], Checkpoint | None]:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -240,7 +244,8 @@ class Parking:
         full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
         and 36 of its 40 states put then refused).
 
-        None where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
+        Returns the prefixes' copies, for the tiers (_put), and the checkpoint that goes with the full state. No copy
+        where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
         shorter than the window). Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM
         keeps the last prompt's as it is, returned here to go with the full state (StateLRU.put): restored over it, it
         serves that prefix as in the slot. A cut of its own cost two copies of a whole state on the admission's path
@@ -248,7 +253,7 @@ class Parking:
         The price: where the disk's queue is full, the disk gets that prefix's state neither now nor later (spill
         offers the history's state alone), so after a restart a regenerate of such a chat computes its prompt again."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
-            return None
+            return [], None
         n = len(slot.tokens)
         if self.window:  # only where the slot saved its SWA layers or state (Slot.checkpoints); the latest also in RAM
             swa = {c.n: c.blob for c in slot.checkpoints}
@@ -257,7 +262,7 @@ class Parking:
         else:
             end = min(slot.prompt_len, n)
             swa = dict.fromkeys({end, *self._ladder(slot, end)})
-        attached = None
+        attached, copies = None, []
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(held_from, c, self.n_swa)):
                 continue
@@ -270,11 +275,8 @@ class Parking:
             if blob is None:
                 continue
             pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
-            put = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
-            self.checkpoints += put
-            if to_ram:
-                records.append(RamRecord(tuple(slot.tokens[:c]), blob, pos_min, held or put))
-        return attached
+            copies.append(StateCopy(tuple(slot.tokens[:c]), blob, pos_min, to_disk, to_ram, prefix=True, on_disk=held))
+        return copies, attached
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
         """The disk tier's cuts before the end of the slot's last prompt (for a new question after a restart): 32, 128
@@ -318,7 +320,7 @@ class Parking:
             if full[:4] != swa[:4]:
                 return None  # not a state of this llama.cpp: no checkpoint rather than a wrong one
             base_end = len(full) - self.ctx.state_seq_size(sid, partial=True) + h
-            return b"".join((memoryview(full)[:base_end], memoryview(swa)[h:]))
+            return join_bytes((full, 0, base_end), (swa, h, len(swa)))
         except LocalLLMError:
             return None
         finally:
@@ -390,9 +392,10 @@ class Parking:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes. One not worth copying is not marked: an unload
         still saves it to disk (save_all). `at_once` (right after its request, where the next is likely another
-        chat's): copied, and offered to the disk, now; put into RAM only when the history goes (park). The next
-        request may come for RAM's oldest state, which its admission takes out before parking: a put now could
-        evict it."""
+        chat's): copied now, handed to the tiers only when the history goes (park, or an idle engine's park_ahead).
+        The next request may come for RAM's oldest state, which its admission takes out before parking: a put now
+        could evict it. And a chat whose opening is then decoded ahead (Request.next_turn) changes its history:
+        its first copies are dropped, not written to disk beside the later ones."""
         took = self._park(slot, keep=0, hold=at_once)  # asks CopyCost once: a probe's "yes" is not asked again
         if took is not None:
             slot.parked_ram, slot.parked_at = took, len(slot.tokens)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localllm.runtime.cache.prefix import Checkpoint, RamRecord
+from localllm.runtime.cache.prefix import Checkpoint, StateCopy
 from localllm.runtime.engine import probs as token_probs
 from localllm.runtime.engine.media import Span
 from localllm.runtime.engine.stream import StreamState
@@ -126,8 +126,8 @@ class Slot:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
     parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
     parked_ram: bool = False  # ... and whether the RAM tier took it then
-    # ... or its RAM records, copied then but not put yet (Parking.park_ahead at_once): put when the history goes
-    unput: list[RamRecord] = field(default_factory=list)
+    # ... or its states, copied then but in no tier yet (Parking.park_ahead at_once): put when the history goes
+    unput: list[StateCopy] = field(default_factory=list)
     stale: bool = False  # its memory holds tokens the history no longer lists (a recurrent state after a shift)
     ahead: list[int] = field(default_factory=list)  # to decode after tokens while the engine idles (Request.next_turn)
     # len(tokens) where its last reply ended on its own or at its length limit, and the token sampled there but never
