@@ -417,35 +417,3 @@ def test_raw_chats_restored_where_their_replies_ended_teach_the_opening(tiny: Pa
         last = e.generate(Request(again, GREEDY, max_tokens=6, ignore_eos=True))
         assert last.usage.cached_tokens == len(again) - 2
     _check(tiny, again, last.tokens, 6)
-
-
-def test_a_turn_copied_at_once_then_opened_ahead_writes_one_state_to_disk(tiny: Path, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new chat's turn is copied out as soon as it ends (scheduler._PARK_AT_ONCE: its request came from another
-    history); in the pause its next turn's opening is decoded and the history changes, so those copies stand for
-    nothing any more. They reach no tier: the disk is handed the history with its opening (parked while idle), not
-    the reply's end before it. Fails before (the copies went to the disk at once): two states written, the first
-    dropped as the second's prefix."""
-    from localllm.runtime.engine import scheduler
-
-    monkeypatch.setattr(scheduler, "_TURN_AHEAD_S", 0.05)
-    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 0.1)
-    p = _prompt(4, 300)  # over the disk tier's 256-token floor
-    with Engine(tiny, n_ctx=1024, slots=1, threads=2, min_park_tokens=16,
-                disk_cache=(str(tmp_path / "cache"), 64 << 20)) as e:
-        e._control(lambda: e._parked.cost.prefilled(1000, 1.0), 10)  # prompts at 1 000 tokens/s: parking pays
-        disk = e._parked.disk
-        assert disk is not None
-        handed: list[int] = []
-        real = disk.put
-        disk.put = lambda tokens, *a, **k: handed.append(len(tokens)) or real(tokens, *a, **k)  # type: ignore[method-assign]
-        first = e.generate(Request(p, GREEDY, max_tokens=8, ignore_eos=True, next_turn=NEXT))
-        _ahead(e, 1 + len(NEXT))
-        for _ in range(500):
-            s = e.slots[0]
-            if s.parked_at == len(s.tokens) and not s.unput:
-                break
-            time.sleep(0.01)
-        disk.flush()
-        assert handed == [len(p) + len(first.tokens) + len(NEXT)]
-        assert sorted(len(k) for k in disk._index) == handed

@@ -309,46 +309,6 @@ def test_a_stale_slow_rate_is_probed_and_parking_resumes(tiny_path: Path) -> Non
     assert_like_reference(tiny_path, again, got.tokens, n=8, ignore_eos=True)
 
 
-def test_a_slot_left_by_another_chat_is_parked_as_soon_as_its_request_ends(tiny_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chats revisited back to back (8 on 4 slots, no pause) leave the engine no idle time to park ahead, so each
-    admission parked the history the last request left, a state copy on its path. A request admitted to another
-    history than its slot's (a new one, a parked one) has its slot parked as soon as it ends: the next chat's
-    admission finds it parked and copies nothing. A chat's next turn in its own slot (an agent's) parks nothing
-    then. Fails before: nothing is parked until the idle engine's quarter second (here never)."""
-    from localllm.runtime.engine import scheduler
-
-    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # idle: no parking ahead, no openings decoded
-    monkeypatch.setattr(scheduler, "_TURN_AHEAD_S", 1e9)
-    a = [(7 * k) % 250 + 3 for k in range(100)]
-    b = [(11 * k) % 250 + 3 for k in range(100)]
-    with Engine(tiny_path, n_ctx=1024, slots=1, threads=2, min_park_tokens=16) as e:
-        def parked() -> None:
-            deadline = time.monotonic() + 10
-            while e.slots[0].parked_at != len(e.slots[0].tokens):
-                assert time.monotonic() < deadline, "not parked at once"
-                time.sleep(0.01)
-
-        copies: list[int] = []
-        real = e.ctx.state_seq_get
-        e.ctx.state_seq_get = lambda *a, **k: copies.append(1) or real(*a, **k)  # type: ignore[method-assign]
-        ra = e.generate(Request(a, GREEDY, max_tokens=4, ignore_eos=True))  # a new history
-        parked()
-        assert len(copies) == 1
-        e.generate(Request(b, GREEDY, max_tokens=4, ignore_eos=True))  # takes the one slot: a was parked at once
-        parked()
-        assert len(copies) == 2  # b's, after it ended: none at its admission
-        again = a + ra.tokens + [5, 6, 7]
-        r = e.generate(Request(again, GREEDY, max_tokens=8, ignore_eos=True))
-        assert r.timings.cache_tier == "ram"
-        parked()
-        assert len(copies) == 3  # its slot went from b's history to a's
-        e.generate(Request(again + r.tokens + [8, 9], GREEDY, max_tokens=4, ignore_eos=True))  # continues in place
-        time.sleep(0.5)
-        assert e.slots[0].parked_at == -1 and len(copies) == 3
-    assert_like_reference(tiny_path, again, r.tokens, n=8, ignore_eos=True)
-
-
 def test_the_idle_engines_probe_parks(tiny_path: Path) -> None:
     """Idle, the engine asks CopyCost whether to park ahead each quarter second; its probe (the PROBE_EVERY-th "no"
     in a row) must copy. Found in review: park_ahead asked, then park asked again and got the next "no", so no park

@@ -87,7 +87,6 @@ def test_parking_keeps_the_slots_checkpoint_beside_the_state_without_copying_a_p
     from localllm.runtime.engine import scheduler
 
     monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
-    monkeypatch.setattr(scheduler, "_PARK_AT_ONCE", False)
     a, b = _prompt(3), _prompt(4)
     with Engine(swa_path, **KW, slots=1, min_park_tokens=16) as e:
         e.generate(Request(a, GREEDY, max_tokens=GEN, ignore_eos=True))
@@ -292,7 +291,6 @@ def test_no_prefix_state_is_cut_for_a_disk_queue_that_would_refuse_it(swa_path: 
     from localllm.runtime.engine import scheduler
 
     monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
-    monkeypatch.setattr(scheduler, "_PARK_AT_ONCE", False)
     doc = _prompt(7, 700)
     with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16,
                 disk_cache=(tmp_path / "states", 1 << 30, 16)) as e:
@@ -330,7 +328,6 @@ def test_no_prefix_state_is_cut_for_the_disk_below_its_fewest_tokens(swa_path: P
     from localllm.runtime.engine import scheduler
 
     monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
-    monkeypatch.setattr(scheduler, "_PARK_AT_ONCE", False)
     doc = _prompt(9, 300)
     with Engine(swa_path, **(KW | {"swa_full": True}), slots=1, min_park_tokens=16,
                 disk_cache=(tmp_path / "states", 1 << 30, 256)) as e:

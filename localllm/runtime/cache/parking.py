@@ -22,7 +22,6 @@ from localllm.runtime.cache.prefix import (
     RECURRENT,
     Checkpoint,
     Parked,
-    StateCopy,
     StateLRU,
     kv_holds,
     worth_reusing,
@@ -187,14 +186,11 @@ class Parking:
         self.skipped += took is None
         return bool(took)
 
-    def _park(self, slot: Slot, keep: int, ram: bool = True, hold: bool = False) -> bool | None:
-        """park(); None where nothing was saved because computing the tokens again costs less (CopyCost). `hold`:
-        the copies wait on the slot (Slot.unput), in no tier yet; True where RAM is to take one."""
+    def _park(self, slot: Slot, keep: int, ram: bool = True) -> bool | None:
+        """park(); None where nothing was saved because computing the tokens again costs less (CopyCost)."""
         if not self.enabled or len(slot.tokens) - keep < self.min_tokens:
             return False
         if slot.parked_at == len(slot.tokens):  # saved while the engine was idle, unchanged since
-            if slot.unput:
-                slot.parked_ram, slot.unput = self._put(slot.unput, ram), []
             return slot.parked_ram
         size = self.ctx.state_seq_size(slot.id)
         if ram and not self.cost.pays_to_park(len(slot.tokens), size):
@@ -210,30 +206,15 @@ class Parking:
         if self.n_swa > 0:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
-        # a prefix first: RAM drops those the full state then makes redundant
-        copies, checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
-        copies.append(StateCopy(tuple(slot.tokens), blob, pos_min, self.disk is not None, in_ram,
-                                checkpoint=checkpoint))
-        if hold:
-            slot.unput = copies
-            return in_ram
-        return self._put(copies, ram)
+        # before the full state: RAM drops prefixes it makes redundant
+        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
+        offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
+        if in_ram:
+            in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered, checkpoint=checkpoint)
+        self.count += in_ram
+        return in_ram
 
-    def _put(self, copies: list[StateCopy], ram: bool = True) -> bool:
-        """Hand the copies to their tiers (`ram` False: to the disk only); whether RAM took the history's."""
-        took = False
-        for c in copies:
-            put = c.disk and self.disk is not None and self.disk.put(c.tokens, c.blob, c.pos_min)
-            self.checkpoints += put and c.prefix
-            if c.ram and ram:
-                kept = self.ram.put(c.tokens, c.blob, c.pos_min, offered=c.on_disk or put, checkpoint=c.checkpoint)
-                if not c.prefix:
-                    took = kept
-        self.count += took
-        return took
-
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int,
-                     held_from: int) -> tuple[list[StateCopy], Checkpoint | None]:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int) -> Checkpoint | None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -244,8 +225,7 @@ class Parking:
         full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
         and 36 of its 40 states put then refused).
 
-        Returns the prefixes' copies, for the tiers (_put), and the checkpoint that goes with the full state. No copy
-        where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
+        None where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
         shorter than the window). Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM
         keeps the last prompt's as it is, returned here to go with the full state (StateLRU.put): restored over it, it
         serves that prefix as in the slot. A cut of its own cost two copies of a whole state on the admission's path
@@ -253,7 +233,7 @@ class Parking:
         The price: where the disk's queue is full, the disk gets that prefix's state neither now nor later (spill
         offers the history's state alone), so after a restart a regenerate of such a chat computes its prompt again."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
-            return [], None
+            return None
         n = len(slot.tokens)
         if self.window:  # only where the slot saved its SWA layers or state (Slot.checkpoints); the latest also in RAM
             swa = {c.n: c.blob for c in slot.checkpoints}
@@ -262,7 +242,7 @@ class Parking:
         else:
             end = min(slot.prompt_len, n)
             swa = dict.fromkeys({end, *self._ladder(slot, end)})
-        attached, copies = None, []
+        attached = None
         for c in sorted(swa):
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(held_from, c, self.n_swa)):
                 continue
@@ -275,8 +255,11 @@ class Parking:
             if blob is None:
                 continue
             pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
-            copies.append(StateCopy(tuple(slot.tokens[:c]), blob, pos_min, to_disk, to_ram, prefix=True, on_disk=held))
-        return copies, attached
+            put = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
+            self.checkpoints += put
+            if to_ram:
+                self.ram.put(slot.tokens[:c], blob, pos_min, offered=held or put)
+        return attached
 
     def _ladder(self, slot: Slot, end: int) -> list[int]:
         """The disk tier's cuts before the end of the slot's last prompt (for a new question after a restart): 32, 128
@@ -320,6 +303,8 @@ class Parking:
             if full[:4] != swa[:4]:
                 return None  # not a state of this llama.cpp: no checkpoint rather than a wrong one
             base_end = len(full) - self.ctx.state_seq_size(sid, partial=True) + h
+            if not h <= base_end <= len(full):
+                return None  # llama.cpp sized no SWA part (0 where it fails): no checkpoint rather than a wrong one
             return join_bytes((full, 0, base_end), (swa, h, len(swa)))
         except LocalLLMError:
             return None
@@ -350,9 +335,8 @@ class Parking:
         return self._cut_state(slot, c, partial=True)
 
     def ahead(self, slots: list[Slot]) -> Slot | None:
-        """The idle history to park next while the engine has nothing to do (most recently used first), if any: one
-        not parked, or whose RAM records wait on it (Slot.unput)."""
-        todo = [s for s in slots if s.job is None and (s.parked_at != len(s.tokens) or s.unput)
+        """The idle history to park next while the engine has nothing to do (most recently used first), if any."""
+        todo = [s for s in slots if s.job is None and s.parked_at != len(s.tokens)
                 and len(s.tokens) >= self.min_tokens] if self.enabled else []
         return max(todo, key=lambda s: s.last_used, default=None)
 
@@ -388,15 +372,11 @@ class Parking:
             else:
                 self.disk.quiet.set()
 
-    def park_ahead(self, slot: Slot, *, at_once: bool = False) -> None:
+    def park_ahead(self, slot: Slot) -> None:
         """Save an idle slot's history while nothing runs (its cells stay: the same chat continues in place);
         `park` then answers for it until the history changes. One not worth copying is not marked: an unload
-        still saves it to disk (save_all). `at_once` (right after its request, where the next is likely another
-        chat's): copied now, handed to the tiers only when the history goes (park, or an idle engine's park_ahead).
-        The next request may come for RAM's oldest state, which its admission takes out before parking: a put now
-        could evict it. And a chat whose opening is then decoded ahead (Request.next_turn) changes its history:
-        its first copies are dropped, not written to disk beside the later ones."""
-        took = self._park(slot, keep=0, hold=at_once)  # asks CopyCost once: a probe's "yes" is not asked again
+        still saves it to disk (save_all)."""
+        took = self._park(slot, keep=0)  # asks CopyCost once: a probe's "yes" is not asked again
         if took is not None:
             slot.parked_ram, slot.parked_at = took, len(slot.tokens)
 

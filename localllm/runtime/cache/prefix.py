@@ -197,22 +197,6 @@ class Checkpoint:
     blob: bytes
 
 
-@dataclass(frozen=True)
-class StateCopy:
-    """A state copied out of a slot for the tiers (Parking): offered to the disk tier (`disk`), put in RAM (`ram`,
-    with `checkpoint`). `prefix`: a cut of the history, not its whole state; `on_disk`: the disk holds it already.
-    Parked right after its request (Parking.park_ahead at_once), copies wait on the slot until its history goes."""
-
-    tokens: tuple[int, ...]
-    blob: bytes
-    pos_min: int
-    disk: bool
-    ram: bool
-    prefix: bool = False
-    on_disk: bool = False
-    checkpoint: Checkpoint | None = None
-
-
 @dataclass
 class Parked:
     blob: bytes

@@ -55,11 +55,6 @@ __all__ = ["Engine", "Stream"]
 # idle this long, the engine parks idle histories (RAM, disk, checkpoints) ahead of need, so the next request
 # that takes their slot does not wait for it; back-to-back requests (an agent's turns) come sooner than this
 _PARK_AHEAD_S = 0.25
-# ... but at once where the request that just finished had moved between histories (a new prompt, another chat's
-# parked one: Job.hopped): the next is likely another chat's too, and its admission would park that slot on its
-# own path (6-8 ms of a no-pause revisit's ~100 ms on gemma-3-270m); an agent's or a chat's next turn, which continues
-# the slot's history, parks nothing
-_PARK_AT_ONCE = True
 # idle this long, it decodes the openings of chats' next turns (Request.next_turn): a user reads and types for longer,
 # an agent's tool result that comes sooner prefills it itself, and a request from anyone else seldom waits for it
 _TURN_AHEAD_S = 0.1
@@ -152,7 +147,6 @@ class Engine(ThreadSubmit):
         self._kv_pos: list[int] = [-1] * slots  # per-slot KV pos_max, read by the scheduler after each step
         self._waiting: deque[Job] = deque()
         self._stop = False
-        self._finished: Slot | None = None  # whose request (Job.hopped) finished last: to park when idle
         self._shown: dict[tuple[str, ...], frozenset[int]] = {}  # a reply syntax's markers → their tokens
         # /metrics reads these (llama-server's names in brackets): prefill_tokens, cached_tokens [prompt_tokens,
         # prompt_tokens_cached]; prefill_us: wall time of the steps that carried prompt tokens [prompt_seconds];
@@ -401,11 +395,6 @@ class Engine(ThreadSubmit):
             # states parked while the disk tier's queue was full, offered to it again (Parking.spill); also where
             # `ahead` stays (a history not worth copying is asked again each time)
             behind = not (busy or turns) and self._parked.behind
-            if not busy and self._finished is not None:
-                done, self._finished = self._finished, None
-                if _PARK_AT_ONCE and done.job is None and self._inbox.empty():
-                    self._parked.park_ahead(done, at_once=True)
-                    continue  # a request may have come meanwhile
             try:
                 if busy:
                     item = self._inbox.get_nowait()
@@ -579,11 +568,9 @@ class Engine(ThreadSubmit):
                 n = 0
             dst.truncate(n)
         job.timings.cache_tier = used if n else ""
-        job.hopped = used != "slot" or n < self._parked.min_tokens
         self._counters["hits_" + used] += n > 0
         job.cached, job.stream.slot = n, dst.id  # the stream can say which slot serves it
-        dst.prompt_len, dst.resumed, dst.editor, dst.ahead = len(prompt), n, editor, []
-        dst.unpark()
+        dst.prompt_len, dst.resumed, dst.editor, dst.parked_at, dst.ahead = len(prompt), n, editor, -1, []
         job.pending = prompt[n:]
         # llama-server's cuts (its greedy output) for a cold prompt; none for a continuation of a cached history (a
         # chat's next turn: a decode call saved) where no checkpoint needs a batch to end
@@ -980,8 +967,6 @@ class Engine(ThreadSubmit):
         job.chain.close()
         s.job = None
         s.last_used = now
-        if job.hopped:
-            self._finished = s
         if s.stale:  # nothing can continue it
             self.ctx.seq_rm(s.id)
             s.reset()

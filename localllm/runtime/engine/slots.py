@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localllm.runtime.cache.prefix import Checkpoint, StateCopy
+from localllm.runtime.cache.prefix import Checkpoint
 from localllm.runtime.engine import probs as token_probs
 from localllm.runtime.engine.media import Span
 from localllm.runtime.engine.stream import StreamState
@@ -72,9 +72,6 @@ class Job:
     spec: SpecState | None = None  # draft length control; None when this request does not speculate
     out_tokens: list[int] = field(default_factory=list)
     cached: int = 0
-    # admitted to another history than its slot's (new, another chat's, a parked one), not continuing it: where
-    # requests go from chat to chat, its slot is parked as soon as it finishes (scheduler._PARK_AT_ONCE)
-    hopped: bool = False
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     stop: StopMatcher | None = None
@@ -126,8 +123,6 @@ class Slot:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first, each n <= len(tokens)
     parked_at: int = -1  # len(tokens) when the idle engine parked this history ahead of need (-1: not parked)
     parked_ram: bool = False  # ... and whether the RAM tier took it then
-    # ... or its states, copied then but in no tier yet (Parking.park_ahead at_once): put when the history goes
-    unput: list[StateCopy] = field(default_factory=list)
     stale: bool = False  # its memory holds tokens the history no longer lists (a recurrent state after a shift)
     ahead: list[int] = field(default_factory=list)  # to decode after tokens while the engine idles (Request.next_turn)
     # len(tokens) where its last reply ended on its own or at its length limit, and the token sampled there but never
@@ -140,7 +135,7 @@ class Slot:
         del self.tokens[n:]
         self.resumed = min(self.resumed, n)
         self.checkpoints = [c for c in self.checkpoints if c.n <= n]
-        self.unpark()
+        self.parked_at = -1
         self.ahead = []
         if n < self.reply_end:
             self.reply_end = -1
@@ -149,7 +144,7 @@ class Slot:
         """A new history (the KV cache holds `tokens` for this sequence now, or nothing)."""
         self.tokens = tokens if tokens is not None else []
         self.checkpoints = []
-        self.unpark()
+        self.parked_at = -1
         self.stale = False
         self.ahead = []
         self.reply_end = -1
@@ -157,11 +152,7 @@ class Slot:
     def extend(self, tokens: list[int]) -> None:
         """The KV cache holds `tokens` after the history now (decoded while no request ran)."""
         self.tokens += tokens
-        self.unpark()
-
-    def unpark(self) -> None:
-        """The history changed: what was parked ahead of need no longer stands for it."""
-        self.parked_at, self.unput = -1, []
+        self.parked_at = -1
 
     def checkpoint(self, n: int, blob: bytes) -> None:
         """Keep a checkpoint at n (after the others: a prefill moves forward). The earliest stays while the
