@@ -4,6 +4,7 @@ One context, a history of --history tokens, then --rows new tokens decoded (and 
 again, with a pause of each --gaps seconds before each; the median of --reps decodes per pause.
 
     python tests/bench/idle_decode.py [--model GGUF] [--threads N] [--rows N] [--history N] [--gaps 0,0.05,0.5]
+                                      [--flash-attn auto|on|off]
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python tests/bench/idle_decode.py --no-mmap   # weights in huge pages
 
 --no-mmap: the weights read into memory llama.cpp allocates, not mapped from the file; with glibc's hugetlb tunable
@@ -33,11 +34,14 @@ def main() -> None:
     ap.add_argument("--gaps", default="0,0.05,0.5", help="seconds of idleness before each decode")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-mmap", action="store_true", help="read the weights into memory instead of mapping the file")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                    help="llama.cpp's flash attention (auto: the engine's default)")
     a = ap.parse_args()
     t0 = time.perf_counter()
     model = Model(Path(a.model) if a.model else starter_model(), cpu_kernels="none", use_mmap=not a.no_mmap)
     print(f"model loaded in {(time.perf_counter() - t0) * 1000:.0f} ms ({'read into memory' if a.no_mmap else 'mapped'})")
-    ctx = Context(model, n_ctx=4096, n_seq_max=1, n_batch=1024, n_threads=a.threads)
+    fa = {"auto": None, "on": True, "off": False}[a.flash_attn]
+    ctx = Context(model, n_ctx=4096, n_seq_max=1, n_batch=1024, n_threads=a.threads, flash_attn=fa)
     b = Batch(1024, 1)
     for i in range(a.history):
         b.add(1000 + (i * 7) % 5000, i, 0, False)
