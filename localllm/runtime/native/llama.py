@@ -484,18 +484,24 @@ def _bytes_ptr(data: bytes) -> Any:
     return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
+def _address(data: bytes) -> int:
+    """Where a bytes object's own buffer starts (valid while the object lives)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
 def join_bytes(*parts: tuple[bytes, int, int]) -> bytes:
     """The slices data[start:end] of `parts`, in order, as one bytes object: copied with the GIL released (ctypes'
     memmove), into pages faulted in at once. b"".join holds the GIL through the copy (~2 ms for a 10 MiB state), and
     the runner's call threads (a tokenize) wait on it."""
-    size = sum(end - start for _, start, end in parts)
-    out = _new_bytes(None, size)  # written whole here, before anything else sees it
-    at = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value or 0
-    heap.prefault(at, size)
     for data, start, end in parts:
         if not 0 <= start <= end <= len(data):
             raise ValueError(f"slice [{start}, {end}) of {len(data)} bytes")
-        ctypes.memmove(at, (ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0) + start, end - start)
+    size = sum(end - start for _, start, end in parts)
+    out = _new_bytes(None, size)  # written whole here, before anything else sees it
+    at = _address(out)
+    heap.prefault(at, size)
+    for data, start, end in parts:
+        ctypes.memmove(at, _address(data) + start, end - start)
         at += end - start
     return out
 
@@ -631,7 +637,7 @@ class Context:
             size = self.state_seq_size(seq, partial=partial)
         data = _new_bytes(None, size)  # written once here, before anything else sees it
         ptr = _bytes_ptr(data)
-        heap.prefault(ctypes.cast(ptr, ctypes.c_void_p).value or 0, size)  # fresh pages faulted in at once
+        heap.prefault(_address(data), size)  # fresh pages faulted in at once
         n = lc.llama_state_seq_get_data_ext(self._p, ptr, size, seq, flags)
         if n != size:
             raise EngineError(f"saving sequence {seq} state wrote {n} of {size} bytes")
