@@ -250,6 +250,20 @@ WORKLOADS: dict[str, tuple[str, Job]] = {"agent": ("agent loop", agent_loop), "r
                                          "paused": ("revisits, a user's pause", paused_revisits),
                                          "chat": ("revisits, chat", chat_revisits), "code": ("code edit", code_edit),
                                          "trim": ("trimmed reply", trimmed)}
+DOC = "doc"  # localllm alone, after the rounds: a document reopened after a restart (reopened)
+NAMES = (*WORKLOADS, DOC)  # what --only picks from
+
+
+def picked(only: str | None) -> tuple[str, ...]:
+    """The workloads a comma-separated --only names (None: all), in the bench's own order."""
+    if only is None:
+        return NAMES
+    names = {x.strip() for x in only.split(",") if x.strip()}
+    unknown = sorted(names - set(NAMES))
+    if unknown or not names:
+        raise InvalidInput(f"--only {only!r}: {'unknown workload ' + ', '.join(unknown) if unknown else 'no workload'}",
+                           f"name one or more of {', '.join(NAMES)}, comma-separated")
+    return tuple(n for n in NAMES if n in names)
 
 
 def reopened(model: str, t: Texts, tag: str, *, threads: int, ctx: int, slots: int,
@@ -311,6 +325,7 @@ class Settings:
     tuned: bool
     gpu_layers: int | None = None  # None: each server's own fit to the GPU's free memory
     chat_template: str | None = None  # the built-in template both render the chat workload with (None: their own)
+    workloads: tuple[str, ...] = NAMES  # those run (--only)
 
 
 @dataclass
@@ -323,7 +338,7 @@ class Report:
     ratios: dict[str, dict[str, float]]  # other side → metric → median of the per-round ratios localllm / other
     ratios_by_round: dict[str, dict[str, list[float]]]
     agreement: dict[str, dict[str, list[int]]]  # other side → workload → [equal replies, replies]
-    reopened: dict[str, float]  # localllm alone, medians over rounds
+    reopened: dict[str, float]  # localllm alone, medians over rounds (empty where it did not run)
 
 
 def _medians(d: dict[str, list[float]]) -> dict[str, float]:
@@ -333,13 +348,15 @@ def _medians(d: dict[str, list[float]]) -> dict[str, float]:
 def report(model: str, binary: Path, settings: Settings, tally: Tally, reopen: list[dict[str, float]]) -> Report:
     return Report(model, str(binary), settings, list(tally.sides),
                   {s: _medians(d) for s, d in tally.values.items()}, {s: _medians(d) for s, d in tally.ratios.items()},
-                  tally.ratios, tally.agree, {k: statistics.median(x[k] for x in reopen) for k in reopen[0]})
+                  tally.ratios, tally.agree,
+                  {k: statistics.median(x[k] for x in reopen) for k in reopen[0]} if reopen else {})
 
 
 def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: int = 4, rounds: int = 3,
         repack: bool = False, tuned: bool = False, gpu_layers: int | None = None, chat_template: str | None = None,
-        log: Callable[[str], None] | None = None) -> Report:
-    """The workloads on localllm and llama-server (and the tuned llama-server); `model` is an installed name."""
+        only: Sequence[str] = NAMES, log: Callable[[str], None] | None = None) -> Report:
+    """The workloads on localllm and llama-server (and the tuned llama-server); `model` is an installed name;
+    `only`: those of NAMES to run (picked)."""
     say = log or (lambda msg: None)
     check_binary(binary)
     model_file(model)  # an unknown name fails here, before a server starts
@@ -358,6 +375,8 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
         for r in range(rounds):
             order = sides if r % 2 == 0 else sides[::-1]
             for name, (label, job) in WORKLOADS.items():
+                if name not in only:
+                    continue
                 got: dict[str, Outcome] = {}
                 for side in order:
                     t0 = time.perf_counter()
@@ -365,13 +384,13 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
                     say(f"  round {r + 1}/{rounds}: {side}, {label}: {time.perf_counter() - t0:.0f} s")
                 tally.add(name, got)
     reopen = []
-    for r in range(rounds):
+    for r in range(rounds if DOC in only else 0):
         t0 = time.perf_counter()
         reopen.append(reopened(model, texts, f"{nonce}.{r}.doc", threads=threads, ctx=ctx, slots=slots, env=env))
         say(f"  round {r + 1}/{rounds}: localllm, a document, a restart, a new question: "
             f"{time.perf_counter() - t0:.0f} s")
-    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned, gpu_layers, template), tally,
-                  reopen)
+    return report(model, binary, Settings(threads, ctx, slots, rounds, repack, tuned, gpu_layers, template, tuple(only)),
+                  tally, reopen)
 
 
 def _start(stack: contextlib.ExitStack, model: str, binary: Path, sides: Sequence[str], *, threads: int,
@@ -476,7 +495,8 @@ def print_table(rep: Report) -> None:
     for h in heads:
         t.add_column(h, justify="left" if h == heads[0] else "right")
     for row in ROWS:
-        t.add_row(*_cells(rep, row))
+        if row.key in rep.values[SIDES[0]]:  # its workload ran (--only)
+            t.add_row(*_cells(rep, row))
     console = Console(width=max(Console().width, 150))
     console.print(t)
     for line in _notes(rep):
@@ -485,12 +505,14 @@ def print_table(rep: Report) -> None:
 
 def _notes(rep: Report) -> list[str]:
     x = rep.reopened
-    lines = [(f"localllm alone, a document reopened after a restart with a new question "
+    lines = [] if not x else [(f"localllm alone, a document reopened after a restart with a new question "
               f"({x.get('reopen_prompt_tokens', DOC_TOKENS):.0f} tokens): "
               f"cold TTFT {x['reopen_cold_ttft_ms']:.0f} ms, reopened {x['reopen_ttft_ms']:.0f} ms = "
               f"{x['reopen_pct']:.1f} % of cold (target {mark(x['reopen_pct'], 10.0, True, ' %')}; "
               f"{x['reopen_cached_tokens']:.0f} tokens from the cache)")]
     for name, (label, _) in WORKLOADS.items():
+        if name not in rep.settings.workloads:
+            continue
         same = [f"{rep.agreement[o][name][0]}/{rep.agreement[o][name][1]} equal to {o}" for o in rep.sides[1:]]
         lines.append(f"{label}: greedy replies of localllm " + ", ".join(same))
     for other in rep.sides[1:]:

@@ -60,6 +60,8 @@ def _given(param: str) -> bool:
 @click.option("--chat-template", "chat_template", metavar="NAME",
               help="With --workloads: the built-in template both servers render the chat workload with (chatml, "
               "gemma, llama3, phi3, command-r). Default: the GGUF's own, else the catalog's where llama.cpp knows it.")
+@click.option("--only", metavar="NAMES", help="With --workloads: only these, comma-separated (agent, revisits, paused, "
+              "chat, code, trim, doc); a row's figures then come from fewer minutes.")
 @click.option("--tuned", is_flag=True, help="With --workloads: also llama-server with --cache-reuse 256 --spec-type "
               "ngram-simple, a third column.")
 @click.option("--vs-inline", is_flag=True, help="With --http: instead, runner processes against the engine inside "
@@ -79,7 +81,7 @@ def _given(param: str) -> bool:
 @click.option("--seed", type=int, default=0, show_default=True, help="With --fuzz: the seed of the request sequences.")
 def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: bool, quants: bool,
           types: str | None, text_path: Path | None, decode_tokens: int, keep: Path | None, http: bool, clients: list[int], vs_llama_cpp_server: bool, vs_llama_server: Path | None, rounds: int,
-          slots: int, repack: bool, gpu_layers: int | None, cold_tokens: int, workloads: bool, chat_template: str | None, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
+          slots: int, repack: bool, gpu_layers: int | None, cold_tokens: int, workloads: bool, chat_template: str | None, only: str | None, tuned: bool, vs_inline: bool, soak: float | None, spec: bool,
           draft: str | None, draft_max: int, fuzz: float | None, seed: int) -> None:
     """Benchmark localllm's engine against llama-cpp-python's Llama class on MODEL.
 
@@ -98,6 +100,8 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         raise click.BadOptionUsage("chat_template", "'--chat-template' needs --workloads")
     if tuned and not workloads:
         raise click.BadOptionUsage("tuned", "'--tuned' needs --workloads")
+    if only is not None and not workloads:
+        raise click.BadOptionUsage("only", "'--only' needs --workloads")
     if fuzz:
         from localllm.bench import fuzz as bench_fuzz
 
@@ -139,7 +143,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         if workloads and vs_llama_server is not None:
             _workloads(model, vs_llama_server, threads=threads or 2, ctx=ctx if _given("ctx") else 16384,
                        slots=slots if _given("slots") else 4, rounds=rounds, repack=repack, tuned=tuned,
-                       gpu_layers=gpu_layers, chat_template=chat_template, as_json=as_json)
+                       gpu_layers=gpu_layers, chat_template=chat_template, only=only, as_json=as_json)
             return
         if vs_llama_server is not None and not soak:
             from localllm.bench import versus
@@ -188,7 +192,8 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
 
 def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, rounds: int, repack: bool,
-               tuned: bool, gpu_layers: int | None, chat_template: str | None, as_json: bool) -> None:
+               tuned: bool, gpu_layers: int | None, chat_template: str | None, only: str | None,
+               as_json: bool) -> None:
     import dataclasses
     import json
 
@@ -197,10 +202,10 @@ def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, 
     def say(msg: str) -> None:  # progress on stderr, results on stdout
         click.echo(msg, err=True)
 
-    sides = 3 if tuned else 2
-    say(f"localllm vs {binary}, workloads: {rounds} alternating rounds (about {sides * rounds + rounds} minutes)...")
+    names = bench_workloads.picked(only)  # an unknown name fails here, before a server starts
+    say(f"localllm vs {binary}, workloads ({', '.join(names)}): {rounds} alternating rounds...")
     rep = bench_workloads.run(model, binary, threads=threads, ctx=ctx, slots=slots, rounds=rounds, repack=repack,
-                              tuned=tuned, gpu_layers=gpu_layers, chat_template=chat_template, log=say)
+                              tuned=tuned, gpu_layers=gpu_layers, chat_template=chat_template, only=names, log=say)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(rep), indent=2))
     else:

@@ -156,9 +156,42 @@ def test_cli(monkeypatch: pytest.MonkeyPatch) -> None:
                                    "--rounds", "1", "--gpu-layers", "-1", "--chat-template", "gemma", "--json"])
     assert res.exit_code == 0, res.output
     assert seen == {"model": "m:1", "binary": Path("/x/ls"), "threads": 2, "ctx": 16384, "slots": 4, "rounds": 1,
-                    "repack": False, "tuned": True, "gpu_layers": -1, "chat_template": "gemma", "log": seen["log"]}
+                    "repack": False, "tuned": True, "gpu_layers": -1, "chat_template": "gemma", "only": wl.NAMES,
+                    "log": seen["log"]}
     got = json.loads(res.stdout)
     assert got["settings"]["tuned"] is True and got["values"]["localllm"]["code_decode_tps"] == 80.0
+
+
+def test_only_some_workloads(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--only runs the named workloads (in the bench's order), and the table shows only their rows; a name the bench
+    does not know fails before a server starts, naming those it knows."""
+    import localllm.cli.bench as cli_bench
+
+    assert wl.picked(None) == wl.NAMES and wl.picked("trim, agent") == ("agent", "trim")
+    for bad in ("agent,nope", " , "):
+        with pytest.raises(wl.InvalidInput, match="agent, revisits, paused, chat, code, trim, doc"):
+            wl.picked(bad)
+    res = CliRunner().invoke(cli, ["bench", "m:1", "--only", "agent"])
+    assert res.exit_code == 2 and "'--only' needs --workloads" in res.output
+    monkeypatch.setattr(cli_bench, "resolve_model", lambda m: (Path("/store/model.gguf"), None))
+    started: list[str] = []
+    monkeypatch.setattr(wl, "run", lambda *a, **kw: started.append("run"))
+    res = CliRunner().invoke(cli, ["bench", "m:1", "--http", "--vs-llama-server", "/x/ls", "--workloads",
+                                   "--only", "agent,revisit"])
+    assert isinstance(res.exception, wl.InvalidInput) and "unknown workload revisit" in str(res.exception)
+    assert not started
+
+    full = fixed_report(tuned=False)
+    keep = ("agent_wall_s", "agent_ttft_p50_ms")
+    rep = wl.Report(full.model, full.llama_server, wl.Settings(2, 16384, 4, 2, False, False, workloads=("agent",)),
+                    full.sides, {s: {k: v[k] for k in keep} for s, v in full.values.items()},
+                    {s: {k: v[k] for k in keep} for s, v in full.ratios.items()},
+                    {s: {k: v[k] for k in keep} for s, v in full.ratios_by_round.items()},
+                    {s: {"agent": [3, 8]} for s in full.sides[1:]}, {})
+    wl.print_table(rep)
+    out = capsys.readouterr().out
+    assert "agent loop: TTFT p50, turns 2-8 (ms)" in out and "revisits" not in out and "code edit" not in out
+    assert "agent loop: greedy replies of localllm 3/8 equal to llama-server" in out and "reopened" not in out
 
 
 def test_both_servers_get_the_same_gpu_layers(monkeypatch: pytest.MonkeyPatch) -> None:
