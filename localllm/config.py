@@ -410,9 +410,9 @@ def _host_port(value: str, current: Settings) -> dict[str, Any]:
 
 
 def _message(exc: Exception) -> str:
-    message = getattr(exc, "message", None) or str(exc)
-    hint = getattr(exc, "hint", None)
-    return f"{message} ({hint})" if hint else message
+    if not isinstance(exc, LocalLLMError):
+        return str(exc)
+    return f"{exc.message} ({exc.hint})" if exc.hint else exc.message
 
 
 def load_settings(environ: dict[str, str] | None = None,

@@ -30,6 +30,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Static
 
+from localllm.errors import LocalLLMError
 from localllm.runtime.types import Chunk, Notice
 from localllm.tui import attachments, commands
 from localllm.tui.attachments import Attachment, AttachmentError
@@ -39,6 +40,7 @@ from localllm.tui.screens import HelpScreen, ModelPicker, RenameScreen, Settings
 from localllm.tui.widgets import (
     AssistantTurn,
     AttachmentBar,
+    ConversationItem,
     PromptInput,
     ReplySegment,
     Sidebar,
@@ -289,7 +291,8 @@ class ChatApp(App[None]):
     @on(StreamFailed)
     async def stream_failed(self, msg: StreamFailed) -> None:
         if msg.gen == self._gen and self.generating:
-            self.say(f"Error: {getattr(msg.error, 'message', None) or msg.error}", "error")
+            err = msg.error
+            self.say(f"Error: {err.message if isinstance(err, LocalLLMError) else err}", "error")
             self.finish("error")
             if self._sent_with_images is not None:
                 await self._take_back(self._sent_with_images)
@@ -449,9 +452,8 @@ class ChatApp(App[None]):
 
     @on(Sidebar.Selected)
     async def sidebar_selected(self, event: Sidebar.Selected) -> None:
-        conv = getattr(event.item, "conv", None)
-        if conv is not None:
-            await self.resume(conv.id)
+        if isinstance(event.item, ConversationItem):
+            await self.resume(event.item.conv.id)
             self.query_one("#prompt").focus()
 
     @on(Sidebar.Action)

@@ -164,6 +164,7 @@ class EngineBackend:
     puller: Callable[[str, PullProgress], None] | None = None
     remotes: Any = None  # models.remotes.Remotes: remote models are listed too
     _ctx: dict[str, int] = field(default_factory=dict)
+    _single: str | None = None  # single(): the one engine's name, listed where there is no store
 
     @classmethod
     def single(cls, engine: Any, name: str, fmt: ChatFormat | None = None) -> EngineBackend:
@@ -174,12 +175,12 @@ class EngineBackend:
         builder = RequestBuilder(fmt or builtin_format("plain", getattr(engine, "model", None)), engine)
         backend = cls(engine_for=lambda _m, _s: engine, builder_for=lambda _m, _e: builder)
         backend._ctx[name] = engine.n_ctx
-        backend._single = name  # type: ignore[attr-defined]
+        backend._single = name
         return backend
 
     def models(self) -> list[ModelRow]:
         if self.store is None:
-            name = getattr(self, "_single", None)
+            name = self._single
             return [ModelRow(name, context=self._ctx.get(name))] if name else []
         rows = []
         for man in self.store.list():

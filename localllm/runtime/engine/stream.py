@@ -16,9 +16,12 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localllm.runtime.types import Chunk, Result
+
+if TYPE_CHECKING:
+    from localllm.runtime.api import TokenStream
 
 
 class StreamState:
@@ -123,7 +126,7 @@ def _abandon(state: StreamState, wake: Callable[[], None]) -> None:
         wake()
 
 
-async def achunks(stream: Any) -> AsyncIterator[Chunk]:
+async def achunks(stream: TokenStream) -> AsyncIterator[Chunk]:
     """Iterate a blocking stream of chunks from an event loop; cancels it if the consumer stops early."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -146,7 +149,7 @@ async def achunks(stream: Any) -> AsyncIterator[Chunk]:
         if chunk.finish_reason is not None:
             put(_END)
 
-    if getattr(stream, "forwards", False):  # its producer never blocks: it hands chunks over itself, no thread
+    if stream.forwards:  # its producer never blocks: it hands chunks over itself, no thread
         stream.forward(sink)
     else:
         threading.Thread(target=pump, name="localllm-stream", daemon=True).start()
