@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localllm.errors import InvalidInput, LocalLLMError
+from localllm.errors import InvalidInput, LocalLLMError, brief
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -409,12 +409,6 @@ def _host_port(value: str, current: Settings) -> dict[str, Any]:
     return out
 
 
-def _message(exc: Exception) -> str:
-    if not isinstance(exc, LocalLLMError):
-        return str(exc)
-    return f"{exc.message} ({exc.hint})" if exc.hint else exc.message
-
-
 def load_settings(environ: dict[str, str] | None = None,
                   checks: dict[str, Callable[[Any], Any]] | None = None) -> Settings:
     """Read config.toml and the environment into one immutable Settings.
@@ -435,7 +429,7 @@ def load_settings(environ: dict[str, str] | None = None,
         try:
             check(value)
         except (ValueError, TypeError, LocalLLMError) as exc:
-            raise InvalidSetting(f"{where}: {_message(exc)}") from None
+            raise InvalidSetting(f"{where}: {brief(exc)}") from None
 
     cfg_file = paths().config_file
     if cfg_file.is_file():

@@ -22,6 +22,14 @@ class LocalLLMError(Exception):
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
 
 
+def brief(exc: Exception) -> str:
+    """One line for a setting's or flag's check that failed: a LocalLLMError's message with its hint in brackets,
+    else the exception's text."""
+    if not isinstance(exc, LocalLLMError):
+        return str(exc)
+    return f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+
+
 class InvalidInput(LocalLLMError):
     """The request itself is wrong (bad parameter, bad name, bad grammar)."""
 

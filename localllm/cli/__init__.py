@@ -91,7 +91,7 @@ class Setting(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from localllm.config import parse_setting
-        from localllm.errors import LocalLLMError
+        from localllm.errors import LocalLLMError, brief
 
         try:
             out = parse_setting(self.setting, value)
@@ -102,9 +102,7 @@ class Setting(click.ParamType):
             try:
                 check(out)
             except (ValueError, LocalLLMError) as exc:
-                msg = getattr(exc, "message", None) or str(exc)
-                hint = getattr(exc, "hint", None)
-                self.fail(f"{msg} ({hint})" if hint else msg, param, ctx)
+                self.fail(brief(exc), param, ctx)
         return out
 
 

@@ -182,6 +182,16 @@ def test_bad_config_value_names_file_and_key(toml: str, key: str, allowed: str, 
     assert started == []
 
 
+def test_a_checks_hint_is_shown(localllm_home: Path, started: list[str]) -> None:
+    """A setting whose check raises a LocalLLMError with a hint: the one line says the message, then the hint."""
+    from localllm.errors import InvalidInput, brief
+
+    cfg = write_config(localllm_home, 'keep_alive = "whenever"\n')
+    assert_usage_error(invoke("serve"), str(cfg), "is not a duration (use e.g. '5m', '30s', '1h', 0 or -1)")
+    assert started == []
+    assert brief(InvalidInput("bad", "do this")) == "bad (do this)" and brief(ValueError("v")) == "v"
+
+
 def test_broken_toml_is_a_usage_error(localllm_home: Path, started: list[str]) -> None:
     cfg = write_config(localllm_home, "port = [\n")
     assert_usage_error(invoke("serve"), str(cfg), "not valid TOML")
