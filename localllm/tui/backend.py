@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from localllm.compose.formats import ChatFormat
 from localllm.compose.pipeline import Reply
@@ -16,6 +16,11 @@ from localllm.compose.plan import Plan
 from localllm.compose.requests import CONTEXT_POLICIES, Options, RequestBuilder
 from localllm.runtime.api import ModelEngine
 from localllm.runtime.types import Chunk, GenerationParams
+
+if TYPE_CHECKING:
+    from localllm.models.catalog import Catalog
+    from localllm.models.remotes import Remotes
+    from localllm.models.store import Store
 
 
 @dataclass
@@ -157,12 +162,12 @@ class EngineBackend:
     builder_for(model, engine) returns its compose.requests.RequestBuilder (the one every door uses).
     """
 
-    engine_for: Callable[[str, ChatSettings], Any]
-    builder_for: Callable[[str, Any], RequestBuilder]
-    store: Any = None
-    catalog_: Any = None
+    engine_for: Callable[[str, ChatSettings], ModelEngine]
+    builder_for: Callable[[str, ModelEngine], RequestBuilder]
+    store: Store | None = None
+    catalog_: Catalog | None = None
     puller: Callable[[str, PullProgress], None] | None = None
-    remotes: Any = None  # models.remotes.Remotes: remote models are listed too
+    remotes: Remotes | None = None  # remote models are listed too
     _ctx: dict[str, int] = field(default_factory=dict)
     _single: str | None = None  # single(): the one engine's name, listed where there is no store
 
