@@ -261,7 +261,7 @@ def picked(only: str | None) -> tuple[str, ...]:
     names = {x.strip() for x in only.split(",") if x.strip()}
     unknown = sorted(names - set(NAMES))
     if unknown or not names:
-        raise InvalidInput(f"--only {only!r}: {'unknown workload ' + ', '.join(unknown) if unknown else 'no workload'}",
+        raise InvalidInput(f"unknown workload {', '.join(unknown)}" if unknown else f"no workload named in {only!r}",
                            f"name one or more of {', '.join(NAMES)}, comma-separated")
     return tuple(n for n in NAMES if n in names)
 
@@ -358,6 +358,9 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
     """The workloads on localllm and llama-server (and the tuned llama-server); `model` is an installed name;
     `only`: those of NAMES to run (picked)."""
     say = log or (lambda msg: None)
+    if not only or not set(only) <= set(NAMES):
+        raise InvalidInput(f"workloads {', '.join(only) or 'none'}: not all of them are the bench's",
+                           f"name one or more of {', '.join(NAMES)}")
     check_binary(binary)
     model_file(model)  # an unknown name fails here, before a server starts
     template = chat_template or fallback_template(model)
@@ -365,7 +368,8 @@ def run(model: str, binary: Path, *, threads: int = 2, ctx: int = 16384, slots: 
         raise InvalidInput(f"--chat-template {template!r} is not one both servers have built in",
                            f"use one of {', '.join(LLAMA_CPP_TEMPLATES)}")
     env = side_env(repack, gpu_layers) | ({"LOCALLLM_CHAT_TEMPLATE": template} if template else {})
-    sides = (*SIDES, TUNED) if tuned else SIDES
+    # the tuned side only where a workload runs against it (the reopen is localllm's alone)
+    sides = (*SIDES, TUNED) if tuned and any(n in WORKLOADS for n in only) else SIDES
     nonce = f"{time.time_ns() % 10**12:x}"  # no prompt of an earlier run is in anyone's cache
     tally = Tally(sides)
     with contextlib.ExitStack() as stack:
@@ -494,11 +498,12 @@ def print_table(rep: Report) -> None:
              "ratio", *(["ratio vs tuned"] if s.tuned else []), "target"]
     for h in heads:
         t.add_column(h, justify="left" if h == heads[0] else "right")
-    for row in ROWS:
-        if row.key in rep.values[SIDES[0]]:  # its workload ran (--only)
-            t.add_row(*_cells(rep, row))
+    rows = [row for row in ROWS if row.key in rep.values.get(SIDES[0], {})]  # their workloads ran (--only)
+    for row in rows:
+        t.add_row(*_cells(rep, row))
     console = Console(width=max(Console().width, 150))
-    console.print(t)
+    if rows:
+        console.print(t)
     for line in _notes(rep):
         console.print(line, soft_wrap=True)
 
@@ -516,6 +521,8 @@ def _notes(rep: Report) -> list[str]:
         same = [f"{rep.agreement[o][name][0]}/{rep.agreement[o][name][1]} equal to {o}" for o in rep.sides[1:]]
         lines.append(f"{label}: greedy replies of localllm " + ", ".join(same))
     for other in rep.sides[1:]:
+        if other not in rep.ratios_by_round:  # no workload against it ran (--only doc)
+            continue
         lines.append(f"ratios localllm / {other} by round: " + "; ".join(
             f"{k} " + " ".join(f"{v:.2f}" for v in vals) for k, vals in rep.ratios_by_round[other].items()))
     return lines

@@ -102,6 +102,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         raise click.BadOptionUsage("tuned", "'--tuned' needs --workloads")
     if only is not None and not workloads:
         raise click.BadOptionUsage("only", "'--only' needs --workloads")
+    names = _picked(only) if workloads else ()
     if fuzz:
         from localllm.bench import fuzz as bench_fuzz
 
@@ -143,7 +144,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
         if workloads and vs_llama_server is not None:
             _workloads(model, vs_llama_server, threads=threads or 2, ctx=ctx if _given("ctx") else 16384,
                        slots=slots if _given("slots") else 4, rounds=rounds, repack=repack, tuned=tuned,
-                       gpu_layers=gpu_layers, chat_template=chat_template, only=only, as_json=as_json)
+                       gpu_layers=gpu_layers, chat_template=chat_template, only=names, as_json=as_json)
             return
         if vs_llama_server is not None and not soak:
             from localllm.bench import versus
@@ -192,7 +193,7 @@ def bench(model: str, ctx: int, threads: int | None, gen: int | None, as_json: b
 
 
 def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, rounds: int, repack: bool,
-               tuned: bool, gpu_layers: int | None, chat_template: str | None, only: str | None,
+               tuned: bool, gpu_layers: int | None, chat_template: str | None, only: tuple[str, ...],
                as_json: bool) -> None:
     import dataclasses
     import json
@@ -202,14 +203,24 @@ def _workloads(model: str, binary: Path, *, threads: int, ctx: int, slots: int, 
     def say(msg: str) -> None:  # progress on stderr, results on stdout
         click.echo(msg, err=True)
 
-    names = bench_workloads.picked(only)  # an unknown name fails here, before a server starts
-    say(f"localllm vs {binary}, workloads ({', '.join(names)}): {rounds} alternating rounds...")
+    say(f"localllm vs {binary}, workloads ({', '.join(only)}): {rounds} alternating rounds...")
     rep = bench_workloads.run(model, binary, threads=threads, ctx=ctx, slots=slots, rounds=rounds, repack=repack,
-                              tuned=tuned, gpu_layers=gpu_layers, chat_template=chat_template, only=names, log=say)
+                              tuned=tuned, gpu_layers=gpu_layers, chat_template=chat_template, only=only, log=say)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(rep), indent=2))
     else:
         bench_workloads.print_table(rep)
+
+
+def _picked(only: str | None) -> tuple[str, ...]:
+    """--only's workloads; an unknown name is a usage error, before a model is resolved or a server starts."""
+    from localllm.bench import workloads as bench_workloads
+    from localllm.errors import InvalidInput, brief
+
+    try:
+        return bench_workloads.picked(only)
+    except InvalidInput as exc:
+        raise click.BadParameter(brief(exc), param_hint="'--only'") from None
 
 
 def print_table(res: dict[str, Any]) -> None:

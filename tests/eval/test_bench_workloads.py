@@ -178,7 +178,7 @@ def test_only_some_workloads(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     monkeypatch.setattr(wl, "run", lambda *a, **kw: started.append("run"))
     res = CliRunner().invoke(cli, ["bench", "m:1", "--http", "--vs-llama-server", "/x/ls", "--workloads",
                                    "--only", "agent,revisit"])
-    assert isinstance(res.exception, wl.InvalidInput) and "unknown workload revisit" in str(res.exception)
+    assert res.exit_code == 2 and "Invalid value for '--only': unknown workload revisit (name one or more" in res.output
     assert not started
 
     full = fixed_report(tuned=False)
@@ -192,6 +192,51 @@ def test_only_some_workloads(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "agent loop: TTFT p50, turns 2-8 (ms)" in out and "revisits" not in out and "code edit" not in out
     assert "agent loop: greedy replies of localllm 3/8 equal to llama-server" in out and "reopened" not in out
+
+
+def test_run_runs_only_the_workloads_named(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """run() runs the named workloads on every side, the reopen only with "doc", and the tuned server only where a
+    workload runs against it; --only doc prints the reopen's line and no empty table."""
+    from localllm.bench.versus import Server
+
+    ran: list[tuple[str, str]] = []
+    started: list[tuple[str, ...]] = []
+
+    def job(name: str) -> wl.Job:
+        async def run(srv: Server, t: wl.Texts, tag: str, r: int) -> wl.Outcome:
+            ran.append((name, srv.base))
+            return wl.Outcome({f"{name}_x": 1.0}, ["a"])
+        return run
+
+    def start(stack: object, model: str, binary: Path, sides: tuple[str, ...], **kw: object) -> dict[str, Server]:
+        started.append(tuple(sides))
+        return {s: Server(s, model) for s in sides}
+
+    async def texts(servers: object) -> wl.Texts:
+        return wl.Texts("corpus " * 10, "source")
+
+    monkeypatch.setattr(wl, "WORKLOADS", {n: (n, job(n)) for n in wl.WORKLOADS})
+    monkeypatch.setattr(wl, "check_binary", lambda b: None)
+    monkeypatch.setattr(wl, "model_file", lambda m: Path("/m.gguf"))
+    monkeypatch.setattr(wl, "fallback_template", lambda m: None)
+    monkeypatch.setattr(wl, "_start", start)
+    monkeypatch.setattr(wl, "_texts", texts)
+    monkeypatch.setattr(wl, "reopened", lambda *a, **kw: {"reopen_cold_ttft_ms": 100.0, "reopen_ttft_ms": 5.0,
+                                                          "reopen_pct": 5.0, "reopen_cached_tokens": 90.0,
+                                                          "reopen_prompt_tokens": 99.0})
+    rep = wl.run("m", Path("/x/ls"), rounds=2, tuned=True, only=("agent", "trim"))
+    assert started == [(*wl.SIDES, wl.TUNED)] and rep.reopened == {}
+    assert sorted({n for n, _ in ran}) == ["agent", "trim"] and len(ran) == 2 * 2 * 3
+    assert set(rep.values["localllm"]) == {"agent_x", "trim_x"} and rep.settings.workloads == ("agent", "trim")
+    ran.clear()
+    rep = wl.run("m", Path("/x/ls"), rounds=2, tuned=True, only=("doc",))
+    assert ran == [] and started[-1] == wl.SIDES and rep.reopened["reopen_pct"] == 5.0
+    wl.print_table(rep)
+    out = capsys.readouterr().out
+    assert "= 5.0 % of cold" in out and "workload metric" not in out and "by round" not in out
+    with pytest.raises(wl.InvalidInput, match="not all of them"):
+        wl.run("m", Path("/x/ls"), only=("agent", "nope"))
 
 
 def test_both_servers_get_the_same_gpu_layers(monkeypatch: pytest.MonkeyPatch) -> None:
