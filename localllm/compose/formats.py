@@ -174,7 +174,7 @@ def chat_format(info: Any, entry: dict[str, Any] | None, model: Any) -> ChatForm
     return fmt
 
 
-def builtin_format(name: str, model: Any) -> ChatFormat:
+def builtin_format(name: str, model: ModelView | None) -> ChatFormat:
     """A built-in template by name (the catalog's fallbacks), "plain" when the name is unknown."""
     try:
         source = templates.builtin_template(name)

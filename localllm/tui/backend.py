@@ -172,12 +172,12 @@ class EngineBackend:
     _single: str | None = None  # single(): the one engine's name, listed where there is no store
 
     @classmethod
-    def single(cls, engine: Any, name: str, fmt: ChatFormat | None = None) -> EngineBackend:
+    def single(cls, engine: ModelEngine, name: str, fmt: ChatFormat | None = None) -> EngineBackend:
         """One already-loaded engine under one name (tests, `chat file.gguf`); `fmt` defaults to the
         plain built-in template."""
         from localllm.compose.formats import builtin_format
 
-        builder = RequestBuilder(fmt or builtin_format("plain", getattr(engine, "model", None)), engine)
+        builder = RequestBuilder(fmt or builtin_format("plain", engine.model), engine)
         backend = cls(engine_for=lambda _m, _s: engine, builder_for=lambda _m, _e: builder)
         backend._ctx[name] = engine.n_ctx
         backend._single = name
