@@ -96,7 +96,7 @@ def test_tally_ratios_and_agreement() -> None:
 
 def fixed_report(tuned: bool) -> wl.Report:
     sides = [*wl.SIDES, *([wl.TUNED] if tuned else [])]
-    mine = {"agent_wall_s": 20.0, "agent_ttft_p50_ms": 400.0, "revisit_ttft_p50_ms": 100.0, "code_decode_tps": 80.0,
+    mine = {"agent_wall_s": 20.0, "agent_ttft_p50_ms": 400.0, "agent_prompt_p50_ms": 380.0, "revisit_ttft_p50_ms": 100.0, "code_decode_tps": 80.0,
             "trim_cold_ttft_ms": 1200.0, "trim_regen_ttft_ms": 30.0, "trim_regen_pct": 2.5,
             "chat_revisit_ttft_p50_ms": 90.0, "chat_revisit_prompt_tokens": 918.0, "paused_revisit_ttft_p50_ms": 95.0}
     theirs = {k: 2 * v for k, v in mine.items()} | {"agent_wall_s": 19.0, "code_decode_tps": 40.0,
@@ -115,6 +115,7 @@ def test_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "llama-server default" in out and "tuned" not in out
     assert "agent loop: total wall, 8 turns (s)" in out and "20.0" in out and "19.0" in out
+    assert "agent loop: the server's prompt_ms p50, turns 2-8" in out and "760" in out
     assert "≤ 1.03× ✗" in out and "≤ 0.4× ✓" in out and "≥ 1.5× ✓" in out and "localllm ≤ 5 % ✓" in out
     assert "revisits: greedy replies of localllm 5/8 equal to llama-server" in out
     assert "revisits, chat: greedy replies of localllm 5/8 equal to llama-server" in out
