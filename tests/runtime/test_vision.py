@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from visionmodel import write_gemma3_mmproj
 
 from localllm.compose import media
 from localllm.errors import ContextOverflow, InvalidInput, ModelLoadError
+from localllm.eval.reference import TOL
 from localllm.runtime.engine.scheduler import Engine
 from localllm.runtime.runner.host import Runner
 from localllm.runtime.types import MEDIA_MARKER, GenerationParams, Image, Request
@@ -42,14 +44,35 @@ def images() -> list[Image]:
     return [media.decode(png(1), "a.png"), media.decode(png(2), "b.png")]
 
 
+@dataclass(frozen=True)
+class Ref:
+    """A fresh one-slot engine's greedy reply, and its 16 best logprobs at each position."""
+    tokens: list[int]
+    top: list[dict[int, float]]
+
+
+def assert_like(got: Sequence[int], ref: Ref) -> None:
+    """`got` is the reference's reply up to a near-tie (eval/reference.py's rule): where they first part, the
+    reference ranks got's token within TOL of its best, and nothing after is compared (both continuations are
+    right). For a path that does not run the reference's batches on its cells: the random projector leaves
+    margins down to 0.1 logits, which another CPU's kernels may flip."""
+    for j, (a, b) in enumerate(zip(got, ref.tokens)):
+        if a != b:
+            top = ref.top[j]
+            assert a in top and top[a] >= max(top.values()) - TOL, (j, a, b, top)
+            return
+    assert len(got) == len(ref.tokens), (list(got), ref.tokens)
+
+
 @pytest.fixture(scope="module")
-def references(gemma_file: Path, mmproj: Path, images: list[Image]) -> list[list[int]]:
+def references(gemma_file: Path, mmproj: Path, images: list[Image]) -> list[Ref]:
     """Each image's greedy reply on a fresh one-slot engine."""
     out = []
     for im in images:
         with Engine(gemma_file, n_ctx=1024, slots=1, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as e:
-            out.append(e.generate(Request(e.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im])).tokens)
-    assert out[0] != out[1]  # the test below means something only if the images lead apart
+            r = e.generate(Request(e.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im], n_probs=16))
+            out.append(Ref(r.tokens, [{t.id: t.logprob for t in p.top} for p in r.probs]))
+    assert out[0].tokens[:2] != out[1].tokens[:2]  # the tests below mean something only if the images lead apart
     return out
 
 
@@ -71,29 +94,31 @@ def test_an_image_is_its_tokens_between_gemmas_markers(engine: Engine, images: l
 
 
 def test_prefix_reuse_never_mixes_two_images(engine: Engine, images: list[Image],
-                                            references: list[list[int]]) -> None:
+                                            references: list[Ref]) -> None:
     """a, b, a, b on one engine, one after another: each reuses the text before the image at most, and
-    answers as its fresh reference does; then both at once, in two slots."""
+    answers as its fresh reference does (up to near-ties: the reused prefix splits the batches otherwise);
+    then both at once, in two slots."""
     for k in (0, 1, 0, 1):
         im = images[k]
         r = engine.generate(Request(engine.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
-        assert r.tokens == references[k]
+        assert_like(r.tokens, references[k])
         assert r.usage.cached_tokens < len(TEXT)  # never through a different image
     # the same image again reuses everything but the last prompt token
     im = images[1]
     prompt = engine.tokenize_media(TEXT, [im])
     r = engine.generate(Request(prompt, GREEDY, max_tokens=12, media=[im]))
-    assert r.usage.cached_tokens == len(prompt) - 1 and r.tokens == references[1]
+    assert r.usage.cached_tokens == len(prompt) - 1
+    assert_like(r.tokens, references[1])
     streams = [engine.submit(Request(engine.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
                for im in images]
     results = [s.result() for s in streams]
     for k, res in enumerate(results):
-        assert res.tokens[:4] == references[k][:4]  # batched beside each other: near-ties may part later
-    assert results[0].tokens != results[1].tokens
+        assert_like(res.tokens, references[k])  # batched beside each other
+    assert results[0].tokens[:2] != results[1].tokens[:2]
 
 
 def test_an_image_cut_from_a_cached_prefix_is_evaluated_whole(engine: Engine, images: list[Image],
-                                                             references: list[list[int]]) -> None:
+                                                             references: list[Ref]) -> None:
     """A slot holding [text, image a, text]: a prompt [text, image a] + other text reuses through the image;
     one that stops inside image a's tokens (a truncated history) never keeps half an image."""
     im = images[0]
@@ -145,12 +170,12 @@ def test_a_request_with_images_stops_at_a_full_context_instead_of_shifting(gemma
 
 
 def test_a_runner_process_reads_images(gemma_file: Path, mmproj: Path, images: list[Image],
-                                       references: list[list[int]]) -> None:
+                                       references: list[Ref]) -> None:
     with Runner(gemma_file, n_ctx=1024, slots=1, threads=2, cpu_kernels=KERNELS, mmproj=mmproj) as r:
         assert r.vision
         im = images[1]
         res = r.generate(Request(r.tokenize_media(TEXT, [im]), GREEDY, max_tokens=12, media=[im]))
-        assert res.tokens == references[1]
+        assert res.tokens == references[1].tokens  # the reference's batches on its cells: equal
 
 
 def test_a_projector_for_another_width_is_refused(gemma_file: Path, tmp_path: Path) -> None:
@@ -192,7 +217,6 @@ def test_fuzz_random_image_traffic_never_serves_one_images_kv_for_another(gemma_
     (batched beside another sequence, gemma-3-270m's logits move by up to TOL: eval/reference.py)."""
     import random
 
-    from localllm.eval.reference import TOL
     from localllm.runtime.cache.prefix import common_prefix
 
     rng = random.Random(31)
