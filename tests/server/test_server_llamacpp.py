@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
-from helpers import TINY, Server, wait_idle
+from helpers import TINY, Server, serving, wait_idle
 
 # the fields llama.vim's s:fim_on_* builds (see llama.vim's autoload/llama.vim)
 VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
@@ -123,6 +124,22 @@ def test_health_props_slots_metrics(http: httpx.Client) -> None:
     for key in ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio",
                 "llamacpp:n_drafted_total", "llamacpp:n_drafted_accepted_total"):
         assert key in values
+
+
+def test_metrics_count_the_histories_kept_beyond_the_slots(tmp_path: Path) -> None:
+    """One slot, no RAM tier: the first chat's history stays in the KV cache under a spare id when the second takes
+    the slot (runtime/cache/resident.py). Its cells are in use, and kv_cache_tokens / kv_cache_usage_ratio say so."""
+    with serving(tmp_path, slots=1, prefix_cache_bytes=0) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        n = []
+        for i in range(2):
+            prompt = f"Chat {i}: " + " ".join(f"word{i}x{k}" for k in range(25))
+            body = c.post("/completion", json={"prompt": prompt, "n_predict": 4, "model": TINY}).json()
+            n.append(body["tokens_evaluated"] + 4)
+        wait_idle(srv.pool)
+        values = {line.split()[0]: float(line.split()[1]) for line in c.get("/metrics").text.splitlines()
+                  if not line.startswith("#")}
+    assert n[0] > 60 and values["llamacpp:kv_cache_tokens"] >= sum(n) - 2  # the last reply token is not decoded
+    assert values["llamacpp:kv_cache_usage_ratio"] == pytest.approx(values["llamacpp:kv_cache_tokens"] / 1024)
 
 
 def test_limits_n_indent_and_t_max_predict() -> None:

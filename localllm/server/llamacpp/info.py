@@ -150,7 +150,8 @@ async def metrics(request: Request) -> Response:
         n_tokens_max = max(n_tokens_max, st.get("n_tokens_max", 0))
         processing += sum(1 for s in st["slots"] if s["state"] != "idle")
         deferred += st.get("waiting", 0)
-        kv_tokens += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"])
+        # the histories kept beyond the slots hold cells too (runtime/cache/resident.py)
+        kv_tokens += sum(max(0, s["kv_pos_max"] + 1) for s in st["slots"]) + st.get("resident_tokens", 0)
         cells += st.get("n_ctx", 0)
     # the throughput gauges cover the window since the previous scrape (a model unloaded since then
     # takes its counts with it: a window that would go negative counts from zero)
