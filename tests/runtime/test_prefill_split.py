@@ -92,7 +92,9 @@ def test_a_stray_prefix_is_not_reused(gemma_file: Path) -> None:
         want_year = ref.greedy(year, 8, ignore_eos=True)
         long_prompt = ref.tokenize(" ".join(f"line {i}: ok" for i in range(300)))[:513]
         want_long = ref.greedy(long_prompt, 32, ignore_eos=True)
-    assert ref.model.detokenize(want_year) == " has a chance to live in peace and"
+    # the reference's own 7th token is the near-tie (" peace" here): a CPU may take " harmony", and the check
+    # below is the engine against that CPU's reference either way
+    assert ref.model.detokenize(want_year).startswith(" has a chance to live in")
     with Engine(gemma_file, n_ctx=2048, slots=4, threads=2, cpu_kernels=KERNELS) as e:
         e.generate(Request("Hello", GREEDY, max_tokens=4))  # BOS + "Hello": BOS computed in a 2-token batch
         got = e.generate(Request(YEAR, GREEDY, max_tokens=8, ignore_eos=True))

@@ -233,7 +233,7 @@ def test_fuzz_random_image_traffic_never_serves_one_images_kv_for_another(gemma_
             r = fresh.generate(Request(fresh.tokenize_media(text, ims), GREEDY, max_tokens=1, media=ims, n_probs=16))
             refs[n] = {t.id: t.logprob for t in r.probs[0].top}
     tied: set[int] = set()  # cases whose reply took a near-tie instead of the reference's best
-    asked: set[int] = set()
+    asked: set[int] = set()  # cases drawn whose reference leads by more than 0.5 logits
     seen: list[list[int]] = []
     with Engine(gemma_file, n_ctx=1024, slots=2, threads=2, cpu_kernels=KERNELS, mmproj=mmproj,
                 state_cache_bytes=64 << 20, min_park_tokens=8) as e:
@@ -252,12 +252,14 @@ def test_fuzz_random_image_traffic_never_serves_one_images_kv_for_another(gemma_
                 assert r.usage.cached_tokens <= shared, (n, r.usage.cached_tokens, shared)
                 best = max(refs[n].values())
                 assert r.tokens[0] in refs[n] and refs[n][r.tokens[0]] >= best - TOL, (n, r.tokens[0], refs[n])
-                asked.add(n)
-                if refs[n][r.tokens[0]] < best:
-                    tied.add(n)
+                # a case whose reference leads by 0.5 logits or less may flip on any CPU: not counted
+                if sorted(refs[n].values())[-2] < best - 0.5:
+                    asked.add(n)
+                    if refs[n][r.tokens[0]] < best:
+                        tied.add(n)
             seen += [p for _, p, _ in streams]
         assert e.stats()["hits_slot"] + e.stats()["hits_kv"] + e.stats()["hits_ram"] > 0  # reuse did happen
-    # Most cases answer with the reference's own first token. Counted per case, not per reply: this seed draws
-    # case 2 five times, and its reference's two best tokens are 0.03 logits apart, so one CPU's flip of that
-    # near-tie counted five (CI once failed on a per-reply bound of 4 with 5 ties).
-    assert len(tied) * 2 <= len(asked), (sorted(tied), sorted(asked))
+    # Most cases whose reference leads clearly answer with its own first token. Counted per case, not per reply,
+    # and not where the reference's two best are close: this seed draws case 2 five times, its two best 0.03 logits
+    # apart, and one CPU's flip of that near-tie counted five (CI once failed on a per-reply bound of 4 with 5 ties).
+    assert asked and len(tied) * 2 <= len(asked), (sorted(tied), sorted(asked))
