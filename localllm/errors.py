@@ -22,12 +22,12 @@ class LocalLLMError(Exception):
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
 
 
-def brief(exc: Exception) -> str:
-    """One line for a setting's or flag's check that failed: a LocalLLMError's message with its hint in brackets,
-    else the exception's text."""
+def brief(exc: Exception, hint: bool = True) -> str:
+    """One line for a check or a request that failed: a LocalLLMError's message (with its hint in brackets unless
+    `hint` is False), else the exception's text."""
     if not isinstance(exc, LocalLLMError):
         return str(exc)
-    return f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+    return f"{exc.message} ({exc.hint})" if hint and exc.hint else exc.message
 
 
 class InvalidInput(LocalLLMError):

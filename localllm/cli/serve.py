@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from localllm.cli import SETTING_CHECKS, Setting, load_settings
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, brief
 
 
 # ---- what config.py (a leaf) cannot check about the server's defaults ------------------------------
@@ -53,7 +53,7 @@ def _check_template(value: Any) -> None:
         render_chat(source, [{"role": "user", "content": "hi"}], add_generation_prompt=True, bos_token="",
                     eos_token="")
     except Exception as exc:  # noqa: BLE001 - any failure means the file is not usable: say why
-        why = (exc.message if isinstance(exc, LocalLLMError) else str(exc)) or type(exc).__name__
+        why = brief(exc, hint=False) or type(exc).__name__
         raise ValueError(f"{path} is not a usable chat template: {why}") from None
 
 
@@ -103,8 +103,7 @@ def _flag_check(name: str) -> Callable[[click.Context, click.Parameter, Any], An
             try:
                 SERVE_CHECKS[name](value)
             except (ValueError, LocalLLMError) as exc:
-                raise click.BadParameter(exc.message if isinstance(exc, LocalLLMError) else str(exc), ctx,
-                                         param) from None
+                raise click.BadParameter(brief(exc, hint=False), ctx, param) from None
         return value
 
     return callback

@@ -30,7 +30,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Static
 
-from localllm.errors import LocalLLMError
+from localllm.errors import brief
 from localllm.runtime.types import Chunk, Notice
 from localllm.tui import attachments, commands
 from localllm.tui.attachments import Attachment, AttachmentError
@@ -291,8 +291,7 @@ class ChatApp(App[None]):
     @on(StreamFailed)
     async def stream_failed(self, msg: StreamFailed) -> None:
         if msg.gen == self._gen and self.generating:
-            err = msg.error
-            self.say(f"Error: {err.message if isinstance(err, LocalLLMError) else err}", "error")
+            self.say(f"Error: {brief(msg.error, hint=False)}", "error")
             self.finish("error")
             if self._sent_with_images is not None:
                 await self._take_back(self._sent_with_images)
