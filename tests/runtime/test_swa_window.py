@@ -119,6 +119,36 @@ def test_a_checkpoint_reaches_the_disk_tier_and_serves_after_a_restart(swa_path:
 
 
 
+def test_parking_for_the_disk_copies_only_the_history_and_its_cut_serves_after_a_restart(
+        swa_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk's state of the last prompt is slices of the parked history's state and of the slot's checkpoint
+    (state_format.prefix_of), not a second copy out of llama.cpp on the admission's path. Fails before: 2 copies of a
+    whole state, not 1. The file it makes serves a new question after a restart with a fresh context's tokens."""
+    from localllm.runtime.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "_PARK_AHEAD_S", 1e9)  # no parking while idle: the admission parks
+    doc = _prompt(10, 300)
+    disk = (tmp_path / "states", 1 << 30, 16)
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16, disk_cache=disk) as e:
+        e.generate(Request(doc + Q1, GREEDY, max_tokens=GEN, ignore_eos=True))
+        whole: list[int] = []
+        real = e.ctx.state_seq_get
+
+        def spy(*args: object, **kw: object) -> bytes:
+            whole.extend([] if kw.get("partial") else [1])
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        e.ctx.state_seq_get = spy  # type: ignore[method-assign]
+        e.generate(Request(_prompt(11, 100), GREEDY, max_tokens=2, ignore_eos=True))  # takes the slot: parks doc
+        assert len(whole) == 1
+        assert e._parked.checkpoints >= 1  # the prefix states put to the disk
+    q2 = doc + [41, 42, 43]
+    with Engine(swa_path, **KW, slots=1, min_park_tokens=16, disk_cache=disk) as e:
+        r = e.generate(Request(q2, GREEDY, max_tokens=8, ignore_eos=True))
+    assert r.timings.cache_tier == "disk" and r.usage.cached_tokens == len(doc) + len(Q1) - 4 - 32
+    assert r.tokens == _fresh(swa_path, q2, 8)
+
+
 def test_parking_checkpoints_do_not_take_the_cells_a_reused_bos_needs(swa_path: Path) -> None:
     """A 4-token prompt reuses only the BOS of a slot whose history nearly fills the window-sized SWA cache
     (256 cells): parking that history writes its checkpoint through the scratch sequence, whose restore takes

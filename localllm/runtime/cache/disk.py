@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from localllm.runtime.cache.prefix import Shelf, block_hashes, longest
+from localllm.runtime.cache.state_format import Pieces
 
 MAGIC = b"LLMSTAT1"
 _HEAD = struct.Struct("<8sIiQI")  # magic, n_tokens, pos_min, blob bytes, crc32 of the blob
@@ -230,10 +231,10 @@ class DiskStates:
         self._remove(key)
 
     # ---- writing ---------------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], blob: bytes, pos_min: int = 0, used: float | None = None) -> bool:
-        """Queue `blob` (the state of `tokens`) for writing; False when too small or too big to keep. `used`: when it
-        was last used (time.time()), where that was before now: a state parked a while ago keeps its place in the
-        LRU instead of passing for the newest."""
+    def put(self, tokens: Sequence[int], blob: bytes | Pieces, pos_min: int = 0, used: float | None = None) -> bool:
+        """Queue `blob` (the state of `tokens`; Pieces: slices of other states, written as they are) for writing; False
+        when too small or too big to keep. `used`: when it was last used (time.time()), where that was before now: a
+        state parked a while ago keeps its place in the LRU instead of passing for the newest."""
         if not self.keeps(len(tokens), len(blob)):
             return False
         key = tuple(tokens)
@@ -281,7 +282,7 @@ class DiskStates:
                     self._queued.discard(item[0])
                     self._idle.notify_all()
 
-    def _write(self, key: tuple[int, ...], blob: bytes, pos_min: int, used: float | None) -> None:
+    def _write(self, key: tuple[int, ...], blob: bytes | Pieces, pos_min: int, used: float | None) -> None:
         path = self.dir / _name(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with tmp.open("wb") as f:  # the blob in one pass, checksummed as it is written; the header last
@@ -316,12 +317,11 @@ class DiskStates:
                 break
             total -= self._remove(k)
 
-    def _quiet_pieces(self, blob: bytes) -> Iterator[memoryview]:
+    def _quiet_pieces(self, blob: bytes | Pieces) -> Iterator[memoryview]:
         """`blob` in _PIECE slices, each handed out once the engine is quiet."""
-        view = memoryview(blob)
-        for i in range(0, len(blob), _PIECE):
+        for piece in (blob if isinstance(blob, Pieces) else Pieces((memoryview(blob),))).slices(_PIECE):
             self.quiet.wait()
-            yield view[i:i + _PIECE]
+            yield piece
 
     def _remove(self, key: tuple[int, ...], expect: _Entry | None = None) -> int:
         """Forget `key` and delete its file (the bytes freed); with `expect`, only if the index still holds

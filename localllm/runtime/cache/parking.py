@@ -26,6 +26,7 @@ from localllm.runtime.cache.prefix import (
     kv_holds,
     worth_reusing,
 )
+from localllm.runtime.cache.state_format import Pieces, prefix_of
 from localllm.runtime.engine.slots import Slot
 from localllm.runtime.measured import read_json, write_json
 from localllm.runtime.native.llama import Context, bindings_version, join_bytes
@@ -207,14 +208,14 @@ class Parking:
             pos_min = max(pos_min, len(slot.tokens) - self.n_swa)
         in_ram = ram and self.ram.budget > 0
         # before the full state: RAM drops prefixes it makes redundant
-        checkpoint = self._checkpoints(slot, keep, in_ram, len(blob), pos_min)
+        checkpoint = self._checkpoints(slot, keep, in_ram, blob, pos_min)
         offered = self.disk is not None and self.disk.put(slot.tokens, blob, pos_min)
         if in_ram:
             in_ram = self.ram.put(slot.tokens, blob, pos_min, offered=offered, checkpoint=checkpoint)
         self.count += in_ram
         return in_ram
 
-    def _checkpoints(self, slot: Slot, keep: int, ram: bool, nbytes: int, held_from: int) -> Checkpoint | None:
+    def _checkpoints(self, slot: Slot, keep: int, ram: bool, whole: bytes, held_from: int) -> Checkpoint | None:
         """A sliding-window model's state holds only the last window of its SWA layers, so it serves only
         prompts that continue (nearly) all of its history. Also save the states of prefixes a new prompt is
         likely to share, where the full state cannot serve them: the last prompt whole (a chat revisited with
@@ -229,7 +230,9 @@ class Parking:
         shorter than the window). Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM
         keeps the last prompt's as it is, returned here to go with the full state (StateLRU.put): restored over it, it
         serves that prefix as in the slot. A cut of its own cost two copies of a whole state on the admission's path
-        (the prefix's, then the checkpoint joined in), 4.6 ms of a revisit's ~10 ms parking in the workload bench.
+        (the prefix's, then the checkpoint joined in), 4.6 ms of a revisit's ~10 ms parking in the workload bench. The
+        disk's cuts of such a history copy nothing either: the history's state (`whole`) holds every full-layer cell
+        below c, so a cut is slices of it and of the checkpoint (state_format.prefix_of), written by the disk's thread.
         The price: where the disk's queue is full, the disk gets that prefix's state neither now nor later (spill
         offers the history's state alone), so after a restart a regenerate of such a chat computes its prompt again."""
         if self.scratch is None or self.n_swa == 0 or not (ram or self.disk is not None):
@@ -247,17 +250,22 @@ class Parking:
             if not (max(keep, self.min_tokens) <= c < n - 1) or (self.n_swa > 0 and kv_holds(held_from, c, self.n_swa)):
                 continue
             held = self.disk is not None and self.disk.holds(slot.tokens[:c])
-            to_disk = self.disk is not None and not held and self.disk.takes(c, nbytes)
+            to_disk = self.disk is not None and not held and self.disk.takes(c, len(whole))
             to_ram = ram and c == end
+            blob: bytes | Pieces | None = None
             if to_ram and self.window:
                 attached, to_ram = Checkpoint(c, swa[c]), False
-            blob = self._cut_state(slot, c, swa[c]) if to_disk or to_ram else None
+            if to_disk and self.window and self.n_swa > 0:  # for the disk alone: slices, no copy (prefix_of)
+                blob = prefix_of(whole, swa[c], c)
+            if blob is None and (to_disk or to_ram):
+                blob = self._cut_state(slot, c, swa[c])
             if blob is None:
                 continue
             pos_min = c - 1 if self.n_swa == RECURRENT else max(0, c - self.n_swa)
             put = to_disk and self.disk.put(slot.tokens[:c], blob, pos_min)
             self.checkpoints += put
             if to_ram:
+                assert isinstance(blob, bytes)
                 self.ram.put(slot.tokens[:c], blob, pos_min, offered=held or put)
         return attached
 
