@@ -62,7 +62,7 @@ def test_a_history_whose_cells_wrapped_around_the_cache(model: Model) -> None:
     checkpoint = _history(ctx, [0], 192, cut, parking, first=96)
     assert checkpoint is not None
     parsed = _parse(memoryview(ctx.state_seq_get(0)), 2)
-    assert parsed is not None and len(_runs(parsed[0][0].pos < cut)) == 2
+    assert parsed is not None and len(_runs(parsed[0].pos < cut)) == 2
     _same_as_llama_cpp(ctx, parking, checkpoint, cut)
 
 

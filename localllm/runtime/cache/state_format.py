@@ -52,8 +52,7 @@ class Pieces:
 class _Cache:
     """Where one KV cache's part of a state lies: its stream with cells, the cells' positions and its layers' rows."""
 
-    start: int  # the u32 stream count
-    end: int
+    end: int  # the offset just past it
     cells_at: int  # the stream's u32 cell count (the one stream that holds cells)
     meta_at: int
     stride: int  # bytes of meta per cell
@@ -70,7 +69,7 @@ def _u32(data: memoryview, at: int) -> int:
 def _cache(data: memoryview, at: int, ext: int) -> _Cache:
     """Parse one cache's part from `at`. ValueError where it is not the layout read here: more than one stream with
     cells, a cell in more than one sequence, V transposed (flash attention off), a size past the end."""
-    start, n_stream = at, _u32(data, at)
+    n_stream = _u32(data, at)
     at += 4
     found: tuple[int, int, int, np.ndarray, tuple[tuple[int, int], ...]] | None = None
     for _ in range(n_stream):
@@ -106,7 +105,7 @@ def _cache(data: memoryview, at: int, ext: int) -> _Cache:
     if found is None:
         raise ValueError("no cells")
     cells_at, meta_at, stride, pos, rows = found
-    return _Cache(start, at, cells_at, meta_at, stride, pos, rows)
+    return _Cache(at, cells_at, meta_at, stride, pos, rows)
 
 
 def _runs(keep: np.ndarray) -> list[tuple[int, int]]:
@@ -115,9 +114,9 @@ def _runs(keep: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
-def _parse(data: memoryview, caches: int) -> tuple[list[_Cache], int] | None:
-    """The `caches` cache parts after the header, and the meta extension they use, where one reading of the state ends
-    exactly at its last byte; None where none does."""
+def _parse(data: memoryview, caches: int) -> list[_Cache] | None:
+    """The `caches` cache parts after the header, where one reading of the state (without, then with the cells' meta
+    extension) ends exactly at its last byte; None where none does."""
     for ext in (0, _EXT):
         try:
             parts, at = [], HEADER
@@ -127,7 +126,7 @@ def _parse(data: memoryview, caches: int) -> tuple[list[_Cache], int] | None:
         except ValueError:
             continue
         if at == len(data):
-            return parts, ext
+            return parts
     return None
 
 
@@ -144,7 +143,7 @@ def prefix_of(full: bytes, checkpoint: bytes, c: int) -> Pieces | None:
     got, got_part = _parse(whole, 2), _parse(part, 1)
     if got is None or got_part is None:
         return None
-    base = got[0][0]
+    base = got[0]
     keep = base.pos < c
     runs = _runs(keep)
     out: list[memoryview] = [whole[:base.cells_at], memoryview(_U32.pack(int(keep.sum())))]
