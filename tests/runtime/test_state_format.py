@@ -110,3 +110,15 @@ def test_a_state_in_another_layout_is_left_to_llama_cpp(model: Model) -> None:
     assert prefix_of(full, checkpoint, 40) is not None
     assert prefix_of(full[:-1], checkpoint, 40) is None
     assert prefix_of(full, b"XXXX" + checkpoint[4:], 40) is None
+
+
+def test_a_full_layer_cache_without_layers_is_left_to_llama_cpp() -> None:
+    """A hand-built state whose full-layer cache lists cells but no layers (a model with every layer on the window):
+    None, not an IndexError out of parking. Failed before (IndexError)."""
+    import struct
+
+    header = struct.pack("<Ii", 0x47475351, 0)
+    no_layers = struct.pack("<II", 1, 2) + struct.pack("<iIi", 0, 1, 0) + struct.pack("<iIi", 1, 1, 0) + struct.pack("<II", 0, 0)
+    swa = (struct.pack("<II", 1, 1) + struct.pack("<iIi", 1, 1, 0) + struct.pack("<II", 0, 1)
+           + struct.pack("<iQ", 1, 4) + b"abcd" + struct.pack("<iQ", 1, 4) + b"efgh")
+    assert prefix_of(header + no_layers + swa, header + swa, 1) is None

@@ -108,7 +108,7 @@ class DiskStates:
         self.budget, self.min_tokens = budget_bytes, min_tokens
         self._index: Shelf[_Entry] = Shelf()
         self._lock = threading.Lock()
-        self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes, int, float | None] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[tuple[int, ...], bytes | Pieces, int, float | None] | None] = queue.SimpleQueue()
         self._pending = 0
         # queued blobs are held in memory: bounded by max_queued_bytes, but for the one an empty queue always takes
         self._pending_bytes = 0

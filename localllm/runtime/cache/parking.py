@@ -223,8 +223,8 @@ class Parking:
         and 512 tokens before its end (the same document, a new question). Each is a state copy on the scheduler
         thread (~20 ms for 3 500 tokens of gemma-3-270m), taken once for both tiers and never twice for disk, and not
         for the disk where it would refuse the prefix: one shorter than its fewest tokens, or while its write queue is
-        full (`nbytes`, the history's size, bounds a prefix's: the engine computing back to back, 32 cuts were copied
-        and 36 of its 40 states put then refused).
+        full (the size of `whole`, the history's state, bounds a prefix's: the engine computing back to back, 32 cuts
+        were copied and 36 of its 40 states put then refused).
 
         None where the history's state serves the prefix itself (`held_from`, the first position it holds: a history
         shorter than the window). Where the slot saved checkpoints (a window-sized SWA cache, a recurrent state), RAM

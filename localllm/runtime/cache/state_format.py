@@ -90,6 +90,8 @@ def _cache(data: memoryview, at: int, ext: int) -> _Cache:
         at += 8
         if v_trans:
             raise ValueError("V transposed")
+        if n_layer == 0:
+            raise ValueError("no layers")
         rows = []
         for _ in range(2 * n_layer):  # K rows of every layer, then V rows (every layer has V in the caches parked
             if at + _LAYER > len(data):  # here; a layout with fewer fails the checks, or parses past the end)
