@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -71,7 +71,7 @@ def _cache(data: memoryview, at: int, ext: int) -> _Cache:
     cells, a cell in more than one sequence, V transposed (flash attention off), a size past the end."""
     n_stream = _u32(data, at)
     at += 4
-    found: tuple[int, int, int, np.ndarray, tuple[tuple[int, int], ...]] | None = None
+    found: _Cache | None = None
     for _ in range(n_stream):
         cells_at, n = at, _u32(data, at)
         at += 4
@@ -92,9 +92,11 @@ def _cache(data: memoryview, at: int, ext: int) -> _Cache:
             raise ValueError("V transposed")
         if n_layer == 0:
             raise ValueError("no layers")
+        # K rows of every layer, then V rows: every layer of the caches parked here has V (a layout with fewer fails
+        # the checks below, or parses past the end)
         rows = []
-        for _ in range(2 * n_layer):  # K rows of every layer, then V rows (every layer has V in the caches parked
-            if at + _LAYER > len(data):  # here; a layout with fewer fails the checks, or parses past the end)
+        for _ in range(2 * n_layer):
+            if at + _LAYER > len(data):
                 raise ValueError("truncated")
             kind, row = struct.unpack_from("<iQ", data, at)
             if not 0 <= kind < 256 or row == 0:
@@ -103,11 +105,10 @@ def _cache(data: memoryview, at: int, ext: int) -> _Cache:
             at += _LAYER + n * int(row)
             if at > len(data):
                 raise ValueError("truncated")
-        found = (cells_at, meta_at, stride, meta[:, 0].copy(), tuple(rows))
+        found = _Cache(0, cells_at, meta_at, stride, meta[:, 0].copy(), tuple(rows))
     if found is None:
         raise ValueError("no cells")
-    cells_at, meta_at, stride, pos, rows = found
-    return _Cache(at, cells_at, meta_at, stride, pos, rows)
+    return replace(found, end=at)
 
 
 def _runs(keep: np.ndarray) -> list[tuple[int, int]]:
@@ -142,8 +143,8 @@ def prefix_of(full: bytes, checkpoint: bytes, c: int) -> Pieces | None:
     whole, part = memoryview(full).cast("B"), memoryview(checkpoint).cast("B")
     if len(whole) < HEADER or whole[:4] != part[:4]:
         return None
-    got, got_part = _parse(whole, 2), _parse(part, 1)
-    if got is None or got_part is None:
+    got = _parse(whole, 2)
+    if got is None or _parse(part, 1) is None:  # the checkpoint is taken as it is, once it reads as one cache
         return None
     base = got[0]
     keep = base.pos < c
